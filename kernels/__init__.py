@@ -1,0 +1,20 @@
+"""Kernels behind one contract (see README.md): write_kv, paged_attention, rms_norm,
+add_rms_norm, rope. ``get_kernels(name)`` returns the module implementing them."""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from .metadata import AttentionMetadata
+
+KERNEL_SETS = ("reference", "npu")
+
+
+def get_kernels(name: str = "reference") -> ModuleType:
+    """The kernel module called ``name`` ("reference" or "npu")."""
+    if name not in KERNEL_SETS:
+        raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+__all__ = ["AttentionMetadata", "KERNEL_SETS", "get_kernels"]

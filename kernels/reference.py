@@ -1,0 +1,124 @@
+"""Pure-torch reference kernels: the truth every faster kernel is tested against.
+
+They run on any torch device (cpu, cuda, npu) and make no host syncs: every size comes from the
+host copies in ``AttentionMetadata``. One layer's cache::
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block * block_size + offset            (slot -1: "do not write")
+
+    block_tables[row] = [7, 2, -1]  block_size 4  ->  the row's context, position by position:
+        pos:   0  1  2  3 | 4  5  6  7
+        slot: 28 29 30 31 | 8  9 10 11
+"""
+from __future__ import annotations
+
+import torch
+
+from .metadata import AttentionMetadata
+
+NAME = "reference"
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key``/``value`` [tokens, kv_heads, head_dim] into the caches by slot, in place.
+
+    A negative slot is never written. Two tokens with one slot in a single call is undefined
+    (the slot checks refuse such a step before dispatch).
+    """
+    flat_k = key_cache.view(-1, *key_cache.shape[2:])      # [num_slots, kv_heads, head_dim]
+    flat_v = value_cache.view(-1, *value_cache.shape[2:])
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    # Without a host sync we cannot drop the skipped tokens, so each of them re-writes a donor:
+    # the first kept token (same slot, same value), or, when none is kept, slot 0 with its own
+    # current contents. Either way the cache ends up exactly as if they had been dropped.
+    first = keep.to(torch.int32).argmax()
+    any_keep = keep.any()
+    donor_slot = torch.where(any_keep, slots[first], torch.zeros_like(slots[first]))
+    idx = torch.where(keep, slots, donor_slot)
+    row_keep = keep[:, None, None]
+    for src, flat in ((key, flat_k), (value, flat_v)):
+        donor = torch.where(any_keep, src[first].to(flat.dtype), flat[donor_slot])
+        flat.index_copy_(0, idx, torch.where(row_keep, src.to(flat.dtype), donor))
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of each token over its row's cached context, read through the block table.
+
+    query: [tokens, num_heads, head_dim] -> out: [tokens, num_heads, head_dim].
+    A row's tokens are the last ``query_len`` positions of its ``seq_len`` context; token i of
+    the row attends to context positions ``<= seq_len - query_len + i`` (causal). The K/V of
+    the step's own tokens must already be written to the cache. Grouped-query attention: head h
+    reads KV head ``h // (num_heads // num_kv_heads)``.
+    """
+    if meta.is_decode:
+        return _decode(query, key_cache, value_cache, meta, scale)
+    out = torch.empty_like(query)
+    block_size = key_cache.shape[1]
+    start = 0
+    for row, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        if q_len == 0:
+            continue
+        n_blocks = -(-ctx // block_size)
+        blocks = meta.block_tables[row, :n_blocks].long()
+        k = key_cache[blocks].flatten(0, 1)[:ctx]           # [ctx, kv_heads, head_dim]
+        v = value_cache[blocks].flatten(0, 1)[:ctx]
+        q = query[start:start + q_len]                        # [q_len, heads, head_dim]
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+        mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]   # [q_len, ctx]
+        out[start:start + q_len] = _attend(q[None], k[None], v[None], mask[None], scale)[0]
+        start += q_len
+    return out
+
+
+def _decode(query, key_cache, value_cache, meta, scale):
+    block_size = key_cache.shape[1]
+    n_blocks = -(-meta.max_seq_len // block_size)
+    blocks = meta.block_tables[:, :n_blocks].clamp(min=0).long()         # [rows, n_blocks]
+    k = key_cache[blocks].flatten(1, 2)                    # [rows, n_blocks*block_size, kv_heads, hd]
+    v = value_cache[blocks].flatten(1, 2)
+    ctx = torch.arange(k.shape[1], device=query.device)
+    mask = ctx[None, None, :] < meta.seq_lens[:, None, None]              # [rows, 1, ctx]
+    return _attend(query[:, None], k, v, mask, scale)[:, 0]
+
+
+def _attend(q, k, v, mask, scale):
+    """q [B, L, H, D], k/v [B, S, KV, D], mask [B, L, S] (True = attend) -> [B, L, H, D]."""
+    b, l, h, d = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    qg = q.reshape(b, l, kv, g, d)
+    scores = torch.einsum("blkgd,bskd->bkgls", qg, k).float() * scale      # [B, KV, G, L, S]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.einsum("bkgls,bskd->blkgd", probs, v)                       # [B, L, KV, G, D]
+    return out.reshape(b, l, h, d)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in float32 (as Hugging Face Qwen3 does)."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding, rotate-halves style. q [T, H, D], k [T, KV, D], cos/sin [T, D]."""
+    cos = cos[:, None].to(q.dtype)
+    sin = sin[:, None].to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
