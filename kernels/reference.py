@@ -26,21 +26,42 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     A negative slot is never written. Two tokens with one slot in a single call is undefined
     (the slot checks refuse such a step before dispatch).
     """
+    if slot_mapping.shape[0] == 0:
+        return
+    slots, key, value = redirect_skipped_slots(key, value, key_cache, value_cache, slot_mapping)
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
+
+
+def redirect_skipped_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Make a "skip slot -1" write expressible as a plain scatter, without a host sync.
+
+    Returns (slots [tokens] int64, key, value) in the caches' dtype, where every token whose slot
+    is negative re-writes a donor instead: the first kept token (same slot, same value) or, when
+    no token is kept, slot 0 with the contents it already holds. Scattering the result leaves the
+    caches exactly as if the skipped tokens had been dropped (dropping them would need their
+    count on the host)::
+
+        slots [5, -1, 9, -1]  ->  [5, 5, 9, 5]    values [a, x, b, y] -> [a, a, b, a]
+        slots [-1, -1]        ->  [0, 0]          values -> [cache[0], cache[0]]
+    """
     flat_k = key_cache.view(-1, *key_cache.shape[2:])      # [num_slots, kv_heads, head_dim]
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    slots = slot_mapping.long()
+    slots = slot_mapping.long()                            # [tokens]
     keep = slots >= 0
-    # Without a host sync we cannot drop the skipped tokens, so each of them re-writes a donor:
-    # the first kept token (same slot, same value), or, when none is kept, slot 0 with its own
-    # current contents. Either way the cache ends up exactly as if they had been dropped.
-    first = keep.to(torch.int32).argmax()
-    any_keep = keep.any()
-    donor_slot = torch.where(any_keep, slots[first], torch.zeros_like(slots[first]))
-    idx = torch.where(keep, slots, donor_slot)
+    first = keep.to(torch.int32).argmax().view(1)         # [1] first kept token (0 when none)
+    any_keep = keep.any().view(1)                          # [1]
+    donor_slot = torch.where(any_keep, slots.index_select(0, first), torch.zeros_like(first))
+    idx = torch.where(keep, slots, donor_slot)             # [tokens], all >= 0
     row_keep = keep[:, None, None]
+    out = []
     for src, flat in ((key, flat_k), (value, flat_v)):
-        donor = torch.where(any_keep, src[first].to(flat.dtype), flat[donor_slot])
-        flat.index_copy_(0, idx, torch.where(row_keep, src.to(flat.dtype), donor))
+        donor = torch.where(any_keep[:, None, None], src.index_select(0, first).to(flat.dtype),
+                            flat.index_select(0, donor_slot))       # [1, kv_heads, head_dim]
+        out.append(torch.where(row_keep, src.to(flat.dtype), donor))
+    return idx, out[0], out[1]
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -81,6 +102,10 @@ def _decode(query, key_cache, value_cache, meta, scale):
     v = value_cache[blocks].flatten(1, 2)
     ctx = torch.arange(k.shape[1], device=query.device)
     mask = ctx[None, None, :] < meta.seq_lens[:, None, None]              # [rows, 1, ctx]
+    # Positions past a row's context (its last block's tail, and the -1 padding clamped to
+    # block 0) may hold anything, NaN included: a masked score is -inf, but 0 * NaN is NaN, so
+    # zero those V entries too. A row then never depends on slots outside its context.
+    v = torch.where(mask[:, 0, :, None, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
     return _attend(query[:, None], k, v, mask, scale)[:, 0]
 
 

@@ -1,6 +1,14 @@
 """qwen_npu: step through Qwen3 serving with a paged KV cache, and look at every piece of state."""
+from .cache.slot_check import check_slot_mapping
+from .engine.outputs import DeviceLogits, StepResult
+from .engine.request import Completion, Request, SamplingParams
 from .errors import (CheckpointError, DeviceError, InvalidRequestError, OutOfBlocksError, QwenNpuError,
                      SlotCollisionError, StaleOutputError)
+from .session import Session
 
-__all__ = ["CheckpointError", "DeviceError", "InvalidRequestError", "OutOfBlocksError", "QwenNpuError",
-           "SlotCollisionError", "StaleOutputError"]
+__all__ = [
+    "Session", "SamplingParams", "Request", "Completion", "StepResult", "DeviceLogits",
+    "check_slot_mapping",
+    "QwenNpuError", "CheckpointError", "DeviceError", "InvalidRequestError", "OutOfBlocksError",
+    "SlotCollisionError", "StaleOutputError",
+]

@@ -1,0 +1,346 @@
+"""Find KV slot collisions and bad writes in one step's slot mapping, before it is dispatched.
+
+    slot = block_table[row][pos // block_size] * block_size + pos % block_size
+    e.g. block_size 16, block_table [7, 128], pos 19  ->  128 * 16 + 3 = slot 2051 (block 128, offset 3)
+
+Two front doors share one core (`_find`), which walks the tokens once with dicts and sets and formats
+text only for the slots it flags:
+
+- `check_slot_mapping(...)`: a pure function for anybody's dispatch (lists or tensors) -> `SlotReport`.
+- `check_step_writes(StepWrites, ...)`: the Session's pre-dispatch check; it also knows ref counts
+  (copy-on-write) and the `SlotLedger` (overwriting another request's live token) -> [SlotProblem].
+
+Slot -1 means "do not write" and is never a problem. Rows at and past the active count are padding
+and must carry -1 only. One problem per (check, slot), naming every row involved.
+"""
+from __future__ import annotations
+
+import html
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, groupby
+
+from ..errors import SlotCollisionError
+from .ledger import SlotLedger
+
+CHECKS = ("duplicate", "padding_write", "beyond_cache", "outside_blocks", "wrong_slot", "shared_block",
+          "live_overwrite")  # also the order problems are reported in
+
+
+class SlotCollisionWarning(UserWarning):
+    """`slot_check="warn"`: a step writes a KV slot it must not write."""
+
+
+@dataclass(frozen=True)
+class SlotProblem:
+    """One bad write: `check` (one of CHECKS) at `slot` = block * block_size + offset."""
+
+    check: str
+    slot: int
+    block: int
+    offset: int
+    rows: tuple[int, ...]
+    request_ids: tuple[int, ...]
+    message: str
+    positions: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class StepWrites:
+    """What one step is about to write, row by row (rows >= num_active are padding)."""
+
+    step: int
+    kind: str                          # "prefill" | "decode"
+    num_dispatched: int                # rows launched
+    num_active: int                    # real rows; padding rows carry the request id they copied
+    row_request_ids: list[int]         # [rows]
+    row_positions: list[list[int]]     # [rows][tokens of the row]
+    row_slots: list[list[int]]         # [rows][tokens of the row]
+    row_block_tables: list[list[int]]  # [rows][blocks], may be -1 padded
+
+    def __post_init__(self):
+        if self.kind not in ("prefill", "decode"):
+            raise ValueError(f"step {self.step}: kind must be 'prefill' or 'decode', got {self.kind!r}")
+        n, at = self.num_dispatched, f"step {self.step}"
+        if not 0 <= self.num_active <= n:
+            raise ValueError(f"{at}: num_active={self.num_active} not in 0..{n}")
+        for name in ("row_request_ids", "row_positions", "row_slots", "row_block_tables"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{at}: {name} has {len(getattr(self, name))} rows, expected {n}")
+        for r, (ps, ss) in enumerate(zip(self.row_positions, self.row_slots)):
+            if len(ps) != len(ss):
+                raise ValueError(f"{at}: row {r} has {len(ps)} positions but {len(ss)} slots")
+
+    @classmethod
+    def from_flat(cls, step, kind, request_ids, query_lens, positions, slot_mapping, block_tables,
+                  num_active=None) -> StepWrites:
+        """Split flat per-token `positions` / `slot_mapping` into rows by `query_lens` (lists or tensors)."""
+        qls, pos, slots = _ints(query_lens), _ints(positions), _ints(slot_mapping)
+        starts = [0, *accumulate(qls)]
+        if starts[-1] != len(slots) or len(pos) != len(slots):
+            raise ValueError(f"step {step}: query_lens sum to {starts[-1]} but there are {len(slots)} "
+                             f"slots and {len(pos)} positions")
+        rows = range(len(qls))
+        return cls(step, kind, len(qls), len(qls) if num_active is None else num_active,
+                   _ints(request_ids), [pos[starts[r]:starts[r + 1]] for r in rows],
+                   [slots[starts[r]:starts[r + 1]] for r in rows], _tables(block_tables))
+
+
+@dataclass(frozen=True)
+class SlotReport:
+    """Result of `check_slot_mapping`: `.ok`, `.problems` (sentences), `.items` (SlotProblem)."""
+
+    items: tuple[SlotProblem, ...]
+    num_tokens: int
+    num_rows: int
+    num_active: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.items
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        return tuple(p.message for p in self.items)
+
+    def _summary(self) -> str:
+        return f"{self.num_tokens} tokens in {self.num_rows} rows ({self.num_active} active)"
+
+    def __repr__(self) -> str:
+        if self.ok:
+            return f"SlotReport: ok ({self._summary()})"
+        n = len(self.items)
+        lines = [f"SlotReport: {n} problem{'s' * (n != 1)} ({self._summary()})"]
+        return "\n".join(lines + [f"  - {m}" for m in self.problems])
+
+    def _repr_html_(self) -> str:  # deterministic: no ids, no scripts
+        if self.ok:
+            ok = f"&#10003; slot mapping ok ({self._summary()})"
+            return f'<div style="color:#1a7f37;font-weight:bold">{ok}</div>'
+        cells = "".join(f"<th style='text-align:left;padding:2px 6px'>{h}</th>" for h in
+                        ("check", "rows", "requests", "slot", "block", "offset", "problem"))
+        body = "".join(
+            "<tr>" + "".join(f"<td style='padding:2px 6px'>{html.escape(str(v))}</td>" for v in (
+                p.check, _runs(p.rows), ", ".join(map(str, p.request_ids)) or "-", p.slot, p.block,
+                p.offset, p.message)) + "</tr>" for p in self.items)
+        n = len(self.items)
+        return (f'<div><div style="color:#cf222e;font-weight:bold">&#10007; {n} slot problem'
+                f'{"s" * (n != 1)} ({self._summary()})</div><table><thead><tr>{cells}</tr></thead>'
+                f"<tbody>{body}</tbody></table></div>")
+
+
+def check_slot_mapping(slot_mapping, block_tables, block_size: int, *, positions=None, seq_lens=None,
+                       num_blocks: int | None = None, active_rows: int | None = None,
+                       query_lens=None) -> SlotReport:
+    """Check one step's dispatch: lists or tensors, no model or Session needed.
+
+    `slot_mapping`: [tokens]; `block_tables`: [rows, max_blocks] (-1 padded). Tokens belong to rows by
+    `query_lens` ([rows], tokens per row), or one token per row when omitted (then tokens must equal
+    rows). `positions` ([tokens]) or `seq_lens` ([rows], context length including the row's last
+    token; positions then run seq_len - query_len .. seq_len - 1) enable the expected-slot check;
+    `positions` wins when both are given. `num_blocks` enables the beyond-the-cache check.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    slots, tables = _ints(slot_mapping), _tables(block_tables)
+    n, num_rows = len(slots), len(tables)
+    if query_lens is not None:
+        qls = _ints(query_lens)
+        if len(qls) != num_rows or sum(qls) != n:
+            raise ValueError(f"query_lens has {len(qls)} rows summing to {sum(qls)} tokens, but block_tables "
+                             f"has {num_rows} rows and slot_mapping {n} tokens")
+    elif n == num_rows:
+        qls = [1] * n
+    else:
+        raise ValueError(f"slot_mapping has {n} tokens but block_tables has {num_rows} rows; pass "
+                         f"query_lens (tokens per row) when rows compute more than one token")
+    tok_rows = [r for r, q in enumerate(qls) for _ in range(q)]
+    pos = None
+    if positions is not None:
+        pos = _ints(positions)
+        if len(pos) != n:
+            raise ValueError(f"positions has {len(pos)} entries but slot_mapping has {n} tokens")
+    elif seq_lens is not None:
+        sl = _ints(seq_lens)
+        if len(sl) != num_rows:
+            raise ValueError(f"seq_lens has {len(sl)} entries but block_tables has {num_rows} rows")
+        pos = [p for s, q in zip(sl, qls) for p in range(s - q, s)]
+    active = num_rows if active_rows is None else int(active_rows)
+    if not 0 <= active <= num_rows:
+        raise ValueError(f"active_rows={active_rows} not in 0..{num_rows}")
+    items = _find("", slots, tok_rows, pos, tables, active, block_size, num_blocks)
+    return SlotReport(tuple(items), n, num_rows, active)
+
+
+def check_step_writes(writes: StepWrites, *, block_size: int, num_blocks: int | None,
+                      ref_count: Callable[[int], int] | None = None, ledger: SlotLedger | None = None,
+                      is_live: Callable[[int, int], bool] | None = None) -> list[SlotProblem]:
+    """All problems of one step about to run, most serious first; [] when the step is safe.
+
+    `ref_count(block)` > 1 marks a shared prefix block (never written). With `ledger` and
+    `is_live(request_id, position)` (does that token still hold its slot?), overwriting a live token
+    of another request is a problem; the ledger alone only adds "last written by" to messages.
+    """
+    w, n = writes, writes.num_dispatched
+    slots = [s for row in w.row_slots for s in row]
+    pos = [p for row in w.row_positions for p in row]
+    tok_rows = [r for r, row in enumerate(w.row_slots) for _ in row]
+    header = f"step {w.step} ({w.kind}, {n} row{'s' * (n != 1)} dispatched, {w.num_active} active): "
+    return _find(header, slots, tok_rows, pos, w.row_block_tables, w.num_active, block_size, num_blocks,
+                 w.row_request_ids, ref_count, ledger, is_live)
+
+
+def format_problems(problems: Sequence[SlotProblem]) -> str:
+    """One problem per line, in the order given (most serious first)."""
+    return "\n".join(p.message for p in problems)
+
+
+def raise_or_warn(problems: Sequence[SlotProblem], mode: str, *, stacklevel: int = 2) -> None:
+    """Apply `slot_check`: "raise" -> SlotCollisionError, "warn" -> SlotCollisionWarning, "off" -> nothing."""
+    if mode not in ("raise", "warn", "off"):
+        raise ValueError(f"slot_check must be 'raise', 'warn' or 'off', got {mode!r}")
+    if not problems or mode == "off":
+        return
+    if mode == "warn":
+        return warnings.warn(format_problems(problems), SlotCollisionWarning, stacklevel=stacklevel + 1)
+    err = SlotCollisionError(format_problems(problems))
+    err.problems = tuple(problems)
+    raise err
+
+
+# ---------------------------------------------------------------------------------------------- core
+
+def _find(header, slots, tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req=None,
+          ref_count=None, ledger=None, is_live=None) -> list[SlotProblem]:
+    """Walk the tokens once; collect token indices per (check, slot); describe only what was flagged."""
+    hits: dict[tuple[str, int], list[int]] = {}
+    seen: dict[int, int] = {}
+    limit = None if num_blocks is None else num_blocks * bs
+    row_sets: dict[int, set[int]] = {}
+    refs: dict[int, int] = {}
+    live = ledger is not None and is_live is not None and row_req is not None
+    for i, s in enumerate(slots):
+        if s < 0:
+            continue
+        r = tok_rows[i]
+        if s in seen:
+            hits.setdefault(("duplicate", s), [seen[s]]).append(i)
+        else:
+            seen[s] = i
+        if r >= num_active:
+            hits.setdefault(("padding_write", s), []).append(i)
+        if limit is not None and s >= limit:
+            hits.setdefault(("beyond_cache", s), []).append(i)
+            continue
+        b = s // bs
+        table = tables[r]
+        good = False
+        if tok_pos is not None:
+            p = tok_pos[i]
+            j = p // bs
+            good = 0 <= j < len(table) and table[j] >= 0 and table[j] * bs + p % bs == s
+        if not good:
+            if r not in row_sets:
+                row_sets[r] = set(table)
+            if b not in row_sets[r]:
+                hits.setdefault(("outside_blocks", s), []).append(i)
+            elif tok_pos is not None:
+                hits.setdefault(("wrong_slot", s), []).append(i)
+        if ref_count is not None:
+            c = refs.get(b)
+            if c is None:
+                c = refs[b] = ref_count(b)
+            if c > 1:
+                hits.setdefault(("shared_block", s), []).append(i)
+        if live:
+            last = ledger.last_raw(s)  # (request_id, position, step)
+            if last is not None and last[0] != row_req[r] and is_live(last[0], last[1]):
+                hits.setdefault(("live_overwrite", s), []).append(i)
+    if not hits:
+        return []
+    order = {c: k for k, c in enumerate(CHECKS)}
+    keys = sorted(hits, key=lambda k: (order[k[0]], hits[k][0]))
+    ctx = (header, tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req, refs, ledger)
+    return [_describe(check, s, hits[(check, s)], ctx) for check, s in keys]
+
+
+def _describe(check, slot, idx, ctx) -> SlotProblem:
+    header, tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req, refs, ledger = ctx
+    block, offset = divmod(slot, bs)
+    limit = None if num_blocks is None else num_blocks * bs
+    rows = tuple(sorted({tok_rows[i] for i in idx}))
+    reqs = tuple(dict.fromkeys(row_req[r] for r in rows)) if row_req is not None else ()
+    pos = tuple(tok_pos[i] for i in idx) if tok_pos is not None else ()
+    many = len(rows) > 1
+    who = f"row{'s' * many} {_runs(rows)}"
+    if reqs:
+        who += f" (request{'s' * (len(reqs) > 1)} {', '.join(map(str, reqs))})"
+    s = "" if many else "s"
+    where = f"slot {slot} (block {block}, offset {offset})"
+    last = ledger.last(slot) if ledger is not None else None
+    if check == "duplicate":
+        if many:
+            text = f"{who} {'both' if len(rows) == 2 else 'all'} write {where}"
+        else:
+            text = f"{who} writes {where} {len(idx)} times" + (f" (positions {_runs(pos)})" if pos else "")
+    elif check == "padding_write":
+        text = (f"{who} {'are' if many else 'is'} padding (only {num_active} active) but write{s} {where}; "
+                f"padding rows must carry slot -1")
+    elif check == "beyond_cache":
+        text = f"{who} write{s} {where}, beyond the cache ({num_blocks} blocks x {bs} = {limit} slots)"
+    elif check == "outside_blocks":
+        their = "their" if many else "its"
+        text = f"{who} write{s} {where}, outside {their} blocks {_blocks(tables[rows[0]])}"
+        if pos:
+            text += f"; position {pos[0]} {_expected(tables[tok_rows[idx[0]]], pos[0], bs)}"
+    elif check == "wrong_slot":
+        text = f"{who}, position {pos[0]}: {_expected(tables[tok_rows[idx[0]]], pos[0], bs)}, got {where}"
+    elif check == "shared_block":
+        text = (f"{who} write{s} {where}, but block {block} is shared (ref count {refs[block]}); "
+                f"copy-on-write: give the token a private block first")
+    else:  # live_overwrite
+        text = (f"{who} overwrite{s} {where}, which still holds request {last.request_id} at position "
+                f"{last.position} (written in step {last.step})")
+    if last is not None and check != "live_overwrite":
+        text += f", last written by request {last.request_id} at position {last.position}"
+    return SlotProblem(check, slot, block, offset, rows, reqs, header + text, pos)
+
+
+def _expected(table, p, bs) -> str:
+    j = p // bs
+    if not (0 <= j < len(table) and table[j] >= 0):
+        return f"has no block in the row's table (needs block_table[{j}], table has {_blocks(table)})"
+    e = table[j] * bs + p % bs
+    return f"expected slot {e} (block {table[j]}, offset {p % bs}) = block_table[{j}] * {bs} + {p % bs}"
+
+
+def _runs(values) -> str:
+    """(0, 3, 4, 5, 6) -> "0, 3..6": runs of three or more consecutive ints become a..b."""
+    parts: list[str] = []
+    for _, group in groupby(enumerate(sorted(set(values))), lambda t: t[1] - t[0]):
+        run = [v for _, v in group]
+        parts += [f"{run[0]}..{run[-1]}"] if len(run) >= 3 else [str(v) for v in run]
+    return ", ".join(parts)
+
+
+def _blocks(table) -> str:
+    b = [x for x in table if x >= 0]
+    if len(b) <= 8:
+        return "[" + ", ".join(map(str, b)) + "]"
+    return f"[{b[0]}, {b[1]}, {b[2]}, ..., {b[-2]}, {b[-1]}] ({len(b)} blocks)"
+
+
+def _ints(x) -> list[int]:
+    x = x.tolist() if hasattr(x, "tolist") else x
+    if x and isinstance(x[0], (list, tuple)):
+        raise ValueError("expected a flat sequence of ints, got a nested one")
+    return [int(v) for v in x]
+
+
+def _tables(x) -> list[list[int]]:
+    x = x.tolist() if hasattr(x, "tolist") else x
+    return [[int(v) for v in row] for row in x]

@@ -1,0 +1,90 @@
+"""A step's plan: the host-side numbers a step will dispatch, before any tensor exists.
+
+The session checks a plan (slot checks) before the runner copies it into the dispatch buffers,
+so a step that would corrupt the cache is refused while nothing has been written.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..cache.block_table import slot_mapping
+from .request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    request: Request
+    start: int            # first position computed by this row
+    end: int              # one past the last position
+    needs_logits: bool    # the row reaches the end of the request's known tokens
+    padding: bool = False  # a replicate-padding row (copies row 0)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    kind: str
+    index: int
+    rows: list[PlanRow]
+    num_active: int
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logits_index: list[int]      # token indices whose logits are computed
+    logits_rows: list[int]       # the rows they belong to (active rows only are exposed)
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [r.request.id for r in self.rows]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def row_slices(self):
+        """(row, token start, token end) per row."""
+        t = 0
+        for i, n in enumerate(self.query_lens):
+            yield i, t, t + n
+            t += n
+
+
+def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: dict[int, list[int]],
+               block_size: int, *, pad_to: int | None = None) -> StepPlan:
+    """Plan ``rows`` = [(request, tokens to compute)], each starting at its ``num_computed_tokens``.
+
+    ``pad_to`` (decode only) reproduces the old fixed-batch runner: rows ``len(rows)..pad_to``
+    copy row 0's token, position, block table and slot, and every row is dispatched.
+    """
+    plan_rows: list[PlanRow] = []
+    ids, pos, slots, qlens, slens, btabs, lidx, lrows = [], [], [], [], [], [], [], []
+    for req, n in rows:
+        start = req.num_computed_tokens
+        end = start + n
+        table = tables[req.id]
+        row = PlanRow(req, start, end, needs_logits=end == req.num_tokens)
+        plan_rows.append(row)
+        ids += req.all_token_ids[start:end] if n > 1 else [req.all_token_ids[start]]
+        pos += range(start, end)
+        slots += slot_mapping(table, start, end, block_size)
+        if row.needs_logits:
+            lidx.append(len(ids) - 1)
+            lrows.append(len(plan_rows) - 1)
+        qlens.append(n)
+        slens.append(end)
+        btabs.append(table)
+    num_active = len(plan_rows)
+    if pad_to is not None and plan_rows:
+        first = plan_rows[0]
+        for _ in range(num_active, pad_to):
+            plan_rows.append(dataclasses.replace(first, padding=True))
+            ids.append(ids[0])
+            pos.append(pos[0])
+            slots.append(slots[0])
+            qlens.append(1)
+            slens.append(slens[0])
+            btabs.append(btabs[0])
+            lidx.append(len(ids) - 1)     # the old runner computed logits for every row
+    return StepPlan(kind, index, plan_rows, num_active, ids, pos, slots, qlens, slens, btabs, lidx, lrows)

@@ -1,0 +1,127 @@
+"""Requests, their sampling parameters, and finished completions.
+
+A request's life::
+
+    waiting ──admit──> prefilling ──last prompt chunk sampled──> decoding ──stop──> finished
+       ^                   │                                        │
+       └──── preempted ────┴────────────────────────────────────────┘          (any) ──> aborted
+
+Its tokens are ``prompt_token_ids + output_token_ids``; ``num_computed_tokens`` of them have
+K/V in the cache. It needs a step while ``num_computed_tokens < num_tokens``: a prefill step
+while more than the last sampled token is missing, a decode step when exactly that one is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+from ..errors import InvalidRequestError
+
+WAITING, PREFILLING, DECODING, FINISHED, ABORTED = "waiting", "prefilling", "decoding", "finished", "aborted"
+STATUSES = (WAITING, PREFILLING, DECODING, FINISHED, ABORTED)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick a request's tokens. temperature 0 is greedy; a seed makes samples reproducible
+    whatever else shares the batch; ``stop_token_ids=None`` means the checkpoint's eos ids."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(field, why):
+            raise InvalidRequestError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be an int >= 1")
+        if not _finite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be an int >= 0 (0 = off)")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", "must be None or an int >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class Request:
+    """A live request: its fields change as the session runs it (see module docstring)."""
+
+    def __init__(self, request_id: int, prompt_token_ids: list[int], sampling: SamplingParams,
+                 stop_token_ids: frozenset[int], *, block_table: Callable[[int], list[int]],
+                 decode: Callable[[list[int]], str] | None = None, prompt_text: str | None = None):
+        self.id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling = sampling
+        self.stop_token_ids = stop_token_ids
+        self.status = WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0       # prompt tokens taken from the prefix cache at admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.prompt_text = prompt_text
+        self._block_table = block_table
+        self._decode = decode
+
+    @property
+    def block_table(self) -> list[int]:
+        """The physical blocks holding this request's tokens, in order (a copy)."""
+        return self._block_table(self.id)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in (FINISHED, ABORTED)
+
+    @property
+    def text(self) -> str | None:
+        """The output decoded to text (None when the checkpoint has no tokenizer)."""
+        return self._decode(self.output_token_ids) if self._decode else None
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.id}, status={self.status!r}, prompt={len(self.prompt_token_ids)} tokens, "
+                f"output={len(self.output_token_ids)} tokens, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table}, finish_reason={self.finish_reason!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished request's result, as ``generate`` returns it."""
+
+    request_id: int
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str | None
+    finish_reason: str | None
+
+    @classmethod
+    def of(cls, req: Request) -> "Completion":
+        return cls(req.id, tuple(req.prompt_token_ids), tuple(req.output_token_ids), req.text,
+                   req.finish_reason)

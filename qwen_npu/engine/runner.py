@@ -1,0 +1,71 @@
+"""Turn a StepPlan into dispatch-buffer views and run the model on them.
+
+Only the first ``n`` rows of every capacity buffer are written and dispatched (runtime batch);
+the model's outputs land in cached device buffers, so nothing but what the plan needs moves.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..cache.kv_cache import KVCache
+from ..kernels.metadata import AttentionMetadata
+from ..model.qwen3 import Hook, Qwen3Model
+from .buffers import DispatchBuffers, OutputBuffer
+from .plan import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3Model, kv_cache: KVCache, buffers: DispatchBuffers):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buffers = buffers
+
+    def dispatch(self, plan: StepPlan, timings: dict, transfers: dict, *,
+                 hook: Hook | None = None) -> tuple[OutputBuffer, OutputBuffer, int]:
+        """Run the plan; returns (logits buffer, hidden buffer, rows written to them)."""
+        t0 = time.perf_counter()
+        b = self.buffers
+        pre = "" if plan.kind == "decode" else "prefill."
+        rows, tokens, out_rows = len(plan.rows), plan.num_tokens, len(plan.logits_index)
+        width = max(len(t) for t in plan.block_tables) or 1
+        tables = torch.full((rows, width), -1, dtype=torch.int32)
+        for r, t in enumerate(plan.block_tables):
+            tables[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        qsl = [0]
+        for n in plan.query_lens:
+            qsl.append(qsl[-1] + n)
+        h2d = b.fill(pre + "input_ids", torch.tensor(plan.input_ids, dtype=torch.int64))
+        h2d += b.fill(pre + "positions", torch.tensor(plan.positions, dtype=torch.int64))
+        h2d += b.fill(pre + "slot_mapping", torch.tensor(plan.slot_mapping, dtype=torch.int64))
+        h2d += b.fill(pre + "seq_lens", torch.tensor(plan.seq_lens, dtype=torch.int32))
+        h2d += b.fill(pre + "block_tables", tables)
+        h2d += b.fill(pre + "query_start_loc", torch.tensor(qsl, dtype=torch.int32))
+        h2d += b.fill(pre + "logits_index", torch.tensor(plan.logits_index, dtype=torch.int64))
+        transfers["h2d"] += h2d
+        meta = AttentionMetadata(
+            positions=b.view(pre + "positions", tokens),
+            slot_mapping=b.view(pre + "slot_mapping", tokens),
+            block_tables=b.view(pre + "block_tables", rows),
+            seq_lens=b.view(pre + "seq_lens", rows),
+            query_start_loc=b.view(pre + "query_start_loc", rows + 1),
+            query_lens_host=tuple(plan.query_lens),
+            seq_lens_host=tuple(plan.seq_lens),
+            is_decode=plan.kind == "decode",
+        )
+        kind = plan.kind
+        cfg = self.model.config
+        logits_buf = b.output(kind, "logits", b.max_batch, cfg.vocab_size, torch.float32)
+        hidden_buf = b.output(kind, "hidden", b.max_batch, cfg.hidden_size, self.model.dtype)
+        logits_buf.generation += 1
+        hidden_buf.generation += 1
+        t1 = time.perf_counter()
+        timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
+        with torch.no_grad():
+            self.model(b.view(pre + "input_ids", tokens), meta, self.kv_cache.layers(),
+                       b.view(pre + "logits_index", out_rows),
+                       logits_out=logits_buf.tensor[:out_rows], hidden_out=hidden_buf.tensor[:out_rows],
+                       hook=hook)
+        timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
+        return logits_buf, hidden_buf, out_rows

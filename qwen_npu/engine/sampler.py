@@ -1,0 +1,68 @@
+"""On-device sampling: greedy, temperature, top-k and top-p, seeded per request.
+
+Nothing here synchronises with the host: per-row parameters travel host-to-device as small
+tensors, the noise comes from each request's own ``torch.Generator`` on the device, and the
+result stays on the device until the session copies the token ids at its named boundary.
+
+Sampling uses the exponential-race trick: ``argmax(p / q)`` with ``q ~ Exp(1)`` picks index i
+with probability ``p_i``, so no cumulative search (and no sync) is needed. Because each request
+draws its noise from its own generator, its samples do not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from .request import SamplingParams
+
+
+def new_generator(device: torch.device, seed: int) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> tuple[torch.Tensor, int]:
+    """Pick one token per row of ``logits`` [rows, vocab] -> (token ids [rows] int64 on device, h2d bytes).
+
+    ``generators[r]`` must be set for every non-greedy row.
+    """
+    greedy_ids = logits.argmax(dim=-1)                                  # [rows]
+    if all(p.greedy for p in params):
+        return greedy_ids, 0
+    device = logits.device
+    rows, vocab = logits.shape
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
+    is_greedy = torch.tensor([p.greedy for p in params])
+    h2d = temps.nbytes + is_greedy.nbytes
+    x = logits.float() / temps.to(device)[:, None]                       # [rows, vocab]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.int64)
+        ps = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dtype=torch.float32)
+        h2d += ks.nbytes + ps.nbytes
+        x = _mask_top_k_top_p(x, ks.to(device), ps.to(device))
+    probs = torch.softmax(x, dim=-1)
+    noise = torch.empty_like(probs)
+    for r, (p, g) in enumerate(zip(params, generators)):
+        if p.greedy:
+            noise[r].fill_(1.0)
+        else:
+            noise[r].exponential_(generator=g)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(is_greedy.to(device), greedy_ids, sampled), h2d
+
+
+def _mask_top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside a row's top-k and outside its top-p nucleus.
+
+    The most likely token always survives. x [rows, vocab] float32.
+    """
+    sorted_x, order = x.sort(dim=-1, descending=True)                    # [rows, vocab]
+    ranks = torch.arange(x.shape[-1], device=x.device)
+    drop = ranks[None, :] >= ks[:, None]
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    before = probs.cumsum(dim=-1) - probs                                # mass strictly above each token
+    drop = before >= ps[:, None]                                         # top_p 1 arrives as inf
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)

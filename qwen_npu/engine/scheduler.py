@@ -1,0 +1,102 @@
+"""Which requests run in the next step, and with how many tokens. No tensors here.
+
+Policy (continuous batching with chunked prefill):
+
+* At most ``max_batch`` requests are admitted (prefilling or decoding) at once.
+* A prefill step takes waiting/prefilling requests in arrival order; all its rows together
+  compute at most ``chunk_size`` tokens, so a long prompt is split over several steps.
+* A decode step takes every decoding request: one token each.
+* When a running request needs a block and none is free, the most recently added running
+  request is preempted: its blocks are freed and it waits again, keeping its tokens, to be
+  recomputed later. Waiting requests are only admitted when their blocks are free.
+"""
+from __future__ import annotations
+
+from ..cache.manager import KVCacheManager
+from .request import DECODING, PREFILLING, WAITING, Request
+
+
+class Scheduler:
+    def __init__(self, manager: KVCacheManager, *, max_batch: int, chunk_size: int):
+        self.manager = manager
+        self.max_batch = max_batch
+        self.chunk_size = chunk_size
+
+    @staticmethod
+    def running(requests: list[Request]) -> list[Request]:
+        return [r for r in requests if r.status in (PREFILLING, DECODING)]
+
+    def prefill_rows(self, requests: list[Request], candidates: list[Request]) -> list[tuple[Request, int]]:
+        """Admit and size the rows of a prefill step. May preempt (see module docstring)."""
+        rows: list[tuple[Request, int]] = []
+        budget = self.chunk_size
+        num_running = len(self.running(requests))
+        for req in candidates:
+            if len(rows) == self.max_batch or budget == 0:
+                break
+            if req.status == WAITING:
+                if num_running >= self.max_batch:
+                    continue
+                n = self._admit(req, budget)
+                if n == 0:
+                    break                    # no room: later arrivals must not overtake it
+                num_running += 1
+            elif req.status == PREFILLING and req.num_computed_tokens < req.num_tokens:
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                while not self.manager.allocate(req.id, req.num_computed_tokens + n):
+                    victim = self._victim(requests, exclude=req)
+                    if victim is None:
+                        n = 0
+                        break
+                    self.preempt(victim)
+                    rows = [(r, k) for r, k in rows if r is not victim]
+                if n == 0:
+                    continue
+            else:
+                continue
+            rows.append((req, n))
+            budget -= n
+        return rows
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Take a waiting request in: reuse its cached prefix, allocate its first chunk."""
+        cached = self.manager.match_prefix(req.id, req.all_token_ids)
+        n = min(req.num_tokens - cached, budget)
+        if not self.manager.allocate(req.id, cached + n):
+            self.manager.free(req.id)
+            return 0
+        req.num_computed_tokens = cached
+        req.num_cached_tokens = cached
+        req.status = PREFILLING
+        return n
+
+    def decode_rows(self, requests: list[Request]) -> list[Request]:
+        """Every decoding request, each with a block for its next token. May preempt."""
+        rows: list[Request] = []
+        for req in [r for r in requests if r.status == DECODING]:
+            if req.status != DECODING:
+                continue                      # preempted by an earlier row of this loop
+            ok = True
+            while not self.manager.allocate(req.id, req.num_tokens):
+                victim = self._victim(requests)
+                self.preempt(victim)
+                if victim is req:
+                    ok = False
+                    break
+                if victim in rows:
+                    rows.remove(victim)
+            if ok:
+                rows.append(req)
+        return rows
+
+    def _victim(self, requests: list[Request], exclude: Request | None = None) -> Request | None:
+        for r in reversed(requests):
+            if r.status in (PREFILLING, DECODING) and r is not exclude:
+                return r
+        return None
+
+    def preempt(self, req: Request) -> None:
+        self.manager.free(req.id)
+        req.num_computed_tokens = 0
+        req.status = WAITING
+        req.num_preemptions += 1

@@ -1,0 +1,180 @@
+"""Load a Hugging Face Qwen3 checkpoint folder (safetensors only) into a dict of tensors.
+
+Layout accepted:
+
+    path/config.json                       required (read by ModelConfig.from_pretrained)
+    path/generation_config.json            optional (eos ids)
+    path/model.safetensors                 single file, or
+    path/model.safetensors.index.json      {"weight_map": {tensor name: shard file}} + shards
+
+Nothing is ever unpickled: ``pytorch_model.bin`` checkpoints are refused.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..config import ModelConfig
+from ..errors import CheckpointError, InvalidRequestError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Qwen3 checkpoint must provide, by Hugging Face name, with its shape.
+
+    ``lm_head.weight`` is always listed: for tied embeddings the loader supplies it from
+    ``model.embed_tokens.weight`` when the files lack it.
+    """
+    hidden, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, hidden)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes.update({
+            f"{p}.self_attn.q_proj.weight": (cfg.q_size, hidden),
+            f"{p}.self_attn.k_proj.weight": (cfg.kv_size, hidden),
+            f"{p}.self_attn.v_proj.weight": (cfg.kv_size, hidden),
+            f"{p}.self_attn.o_proj.weight": (hidden, cfg.q_size),
+            f"{p}.self_attn.q_norm.weight": (hd,),
+            f"{p}.self_attn.k_norm.weight": (hd,),
+            f"{p}.input_layernorm.weight": (hidden,),
+            f"{p}.post_attention_layernorm.weight": (hidden,),
+            f"{p}.mlp.gate_proj.weight": (inter, hidden),
+            f"{p}.mlp.up_proj.weight": (inter, hidden),
+            f"{p}.mlp.down_proj.weight": (hidden, inter),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
+    return shapes
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dtype:
+    """``None`` -> the checkpoint's dtype (config ``torch_dtype``/``dtype``); a name or a torch.dtype
+    among float32, float16, bfloat16 -> that dtype."""
+    if dtype is None:
+        name = cfg.torch_dtype.removeprefix("torch.")
+        if name not in _DTYPES:
+            raise CheckpointError(f"config.json: dtype {cfg.torch_dtype!r} is not supported; "
+                                  f"pass dtype= one of {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise InvalidRequestError(f"dtype {dtype} is not supported; use one of {', '.join(_DTYPES)}")
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise InvalidRequestError(f"dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str | None = None,
+                    device: str | torch.device = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Qwen3 checkpoint folder: its ModelConfig and its tensors by Hugging Face name.
+
+    Contract:
+      - the dict holds exactly the names of ``expected_shapes(cfg)``, each with that shape,
+        converted to ``dtype`` (see ``resolve_dtype``) and placed on ``device``; extra tensors in
+        the files are not read;
+      - ``lm_head.weight`` comes from the files when present (as transformers does, even for a tied
+        config); otherwise, with ``tie_word_embeddings``, it *is* the embedding tensor (same object);
+      - the returned ModelConfig is the one read from config.json (``torch_dtype`` unchanged).
+    Raises CheckpointError naming the file (and the tensor) for a missing config, a pickle-only
+    checkpoint, a corrupt or truncated safetensors file, an index naming a missing shard, a missing
+    tensor or a tensor of the wrong shape.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint folder (no such directory)")
+    cfg = ModelConfig.from_pretrained(root)
+    target = resolve_dtype(dtype, cfg)
+    shapes = expected_shapes(cfg)
+    sources = _tensor_sources(root)                     # tensor name -> file holding it
+    listing = root / (INDEX_FILE if (root / INDEX_FILE).is_file() else SINGLE_FILE)
+
+    wanted = [n for n in shapes if n in sources]
+    missing = [n for n in shapes if n not in sources]
+    if missing == ["lm_head.weight"] and cfg.tie_word_embeddings:
+        missing = []
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        hint = (" (tie_word_embeddings is false in config.json, so lm_head.weight must be stored)"
+                if missing[0] == "lm_head.weight" else "")
+        raise CheckpointError(f"{listing}: missing tensor {missing[0]!r}{more}{hint}")
+
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(sources[name], []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        tensors.update(_read_file(file, names, shapes, listing))
+
+    out = {name: tensors[name].to(device=device, dtype=target) for name in shapes if name in tensors}
+    if "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return cfg, out
+
+
+def _tensor_sources(root: Path) -> dict[str, Path]:
+    """Map each stored tensor name to its safetensors file (single file or sharded index)."""
+    index = root / INDEX_FILE
+    single = root / SINGLE_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e}); "
+                                  f"expected {{\"weight_map\": {{tensor name: shard file}}}}") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must be an object of tensor name -> shard file")
+        sources = {}
+        for name, shard in weight_map.items():
+            file = root / str(shard)
+            if not file.is_file():
+                raise CheckpointError(f"{index}: shard {shard!r} (holding tensor {name!r}) not found "
+                                      f"in {root}")
+            sources[name] = file
+        return sources
+    if single.is_file():
+        names = _open_keys(single)
+        return dict.fromkeys(names, single)
+    pickles = [f for f in _PICKLE_FILES if (root / f).is_file()]
+    if pickles:
+        raise CheckpointError(f"{root / pickles[0]}: only safetensors checkpoints are supported (pickle "
+                              f"files are never loaded); convert it to {SINGLE_FILE}")
+    raise CheckpointError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE} found")
+
+
+def _open_keys(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            return list(fh.keys())
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def _read_file(file: Path, names: list[str], shapes: dict[str, tuple[int, ...]],
+               listing: Path) -> dict[str, torch.Tensor]:
+    """Read ``names`` from one safetensors file, checking presence and shape before reading data."""
+    out: dict[str, torch.Tensor] = {}
+    name = "<header>"
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            stored = set(fh.keys())
+            for name in names:
+                if name not in stored:
+                    raise CheckpointError(f"{file}: missing tensor {name!r} (listed in {listing.name})")
+                found = tuple(fh.get_slice(name).get_shape())
+                if found != shapes[name]:
+                    raise CheckpointError(f"{file}: tensor {name!r} has shape {list(found)}, expected "
+                                          f"{list(shapes[name])} (from config.json)")
+                out[name] = fh.get_tensor(name)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt?) "
+                              f"while reading tensor {name!r}: {e}") from None
+    return out

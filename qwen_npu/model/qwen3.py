@@ -1,0 +1,167 @@
+"""The Qwen3 decoder with paged attention.
+
+Depends only on ``config`` and ``kernels``: attention metadata (positions, slot mapping, block
+tables, sequence lengths, query start offsets) arrives as an explicit argument, and the KV
+cache tensors are handed in per call. Per layer::
+
+    x ─ rms_norm ─ qkv_proj ─┬─ q ─ q_norm ─┐
+                             ├─ k ─ k_norm ─┴─ rope ─ write_kv(k, v) ─ paged_attention ─ o_proj ─ + ─┐
+                             └─ v ──────────────────┘                                           (residual)
+    ┌──────────────────────────────────────────────────────────────────────────────────────────────┘
+    └─ rms_norm ─ gate_up_proj ─ silu(gate) * up ─ down_proj ─ + (residual)
+
+q/k/v and gate/up projections are fused into one matrix each at load time. The LM head runs
+only for the token rows that need a next token.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..kernels.metadata import AttentionMetadata
+
+# A hook sees (name, tensor) at a named point of the forward and returns a tensor to use
+# instead, or None to keep it. Names: "embed", "layers.{i}.attn.q|k|v|out", "layers.{i}.mlp.out",
+# "layers.{i}.residual", "final_norm".
+Hook = Callable[[str, torch.Tensor], "torch.Tensor | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor   # [hidden]
+    qkv: torch.Tensor          # [q_size + 2 * kv_size, hidden]
+    q_norm: torch.Tensor       # [head_dim]
+    k_norm: torch.Tensor       # [head_dim]
+    o: torch.Tensor            # [hidden, q_size]
+    post_norm: torch.Tensor    # [hidden]
+    gate_up: torch.Tensor      # [2 * intermediate, hidden]
+    down: torch.Tensor         # [hidden, intermediate]
+
+
+def capture_names(num_layers: int) -> list[str]:
+    """Every hook point of the forward, in the order they are reached."""
+    names = ["embed"]
+    for i in range(num_layers):
+        names += [f"layers.{i}.attn.{p}" for p in ("q", "k", "v", "out")]
+        names += [f"layers.{i}.mlp.out", f"layers.{i}.residual"]
+    return names + ["final_norm"]
+
+
+class Qwen3Model:
+    """Qwen3ForCausalLM forward over a paged KV cache; stateless between calls."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels, *,
+                 max_positions: int | None = None):
+        self.config = config
+        self.kernels = kernels
+        c = config
+        self.embed = weights["model.embed_tokens.weight"]               # [vocab, hidden]
+        self.lm_head = weights["lm_head.weight"]                          # [vocab, hidden]
+        self.norm = weights["model.norm.weight"]
+        self.layers: list[LayerWeights] = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(LayerWeights(
+                input_norm=weights[p + "input_layernorm.weight"],
+                qkv=torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                q_norm=weights[p + "self_attn.q_norm.weight"],
+                k_norm=weights[p + "self_attn.k_norm.weight"],
+                o=weights[p + "self_attn.o_proj.weight"],
+                post_norm=weights[p + "post_attention_layernorm.weight"],
+                gate_up=torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
+                down=weights[p + "mlp.down_proj.weight"],
+            ))
+        self.scale = c.head_dim ** -0.5
+        self.cos, self.sin = rope_tables(c.head_dim, c.rope_theta, max_positions or c.max_position_embeddings,
+                                         self.embed.device)          # [positions, head_dim] float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_index: torch.Tensor, *,
+                logits_out: torch.Tensor | None = None, hidden_out: torch.Tensor | None = None,
+                hook: Hook | None = None) -> torch.Tensor:
+        """Compute one step and return the logits of the tokens in ``logits_index``.
+
+        input_ids [tokens] (int64); logits_index [rows_out] indices into the step's tokens;
+        kv_caches: per layer (key_cache, value_cache). The K/V of every token is written at
+        ``meta.slot_mapping`` before attention reads it. ``logits_out`` [rows_out, vocab] and
+        ``hidden_out`` [rows_out, hidden] are optional preallocated outputs (written in place).
+        """
+        k_ = self.kernels
+        c = self.config
+        t = input_ids.shape[0]
+        eps = c.rms_norm_eps
+        x = F.embedding(input_ids, self.embed)                              # [tokens, hidden]
+        if hook is not None:
+            x = _hooked(hook, "embed", x)
+        cos, sin = self.cos[meta.positions], self.sin[meta.positions]     # [tokens, head_dim]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual, h = x, k_.rms_norm(x, layer.input_norm, eps)
+            else:
+                h, residual = k_.add_rms_norm(x, residual, layer.input_norm, eps)
+            qkv = F.linear(h, layer.qkv)                                     # [tokens, q + 2 kv]
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = k_.rms_norm(q.reshape(t, c.num_attention_heads, c.head_dim), layer.q_norm, eps)
+            k = k_.rms_norm(k.reshape(t, c.num_key_value_heads, c.head_dim), layer.k_norm, eps)
+            v = v.reshape(t, c.num_key_value_heads, c.head_dim)               # [tokens, kv_heads, hd]
+            q, k = k_.rope(q, k, cos, sin)                                   # [tokens, heads, hd]
+            if hook is not None:
+                q = _hooked(hook, f"layers.{i}.attn.q", q)
+                k = _hooked(hook, f"layers.{i}.attn.k", k)
+                v = _hooked(hook, f"layers.{i}.attn.v", v)
+            key_cache, value_cache = kv_caches[i]
+            k_.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+            attn = k_.paged_attention(q, key_cache, value_cache, meta, self.scale)   # [tokens, heads, hd]
+            x = F.linear(attn.reshape(t, c.q_size), layer.o)                 # [tokens, hidden]
+            if hook is not None:
+                x = _hooked(hook, f"layers.{i}.attn.out", x)
+            h, residual = k_.add_rms_norm(x, residual, layer.post_norm, eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)          # [tokens, intermediate] x2
+            x = F.linear(F.silu(gate) * up, layer.down)                      # [tokens, hidden]
+            if hook is not None:
+                x = _hooked(hook, f"layers.{i}.mlp.out", x)
+                # materialise the residual stream so the hook sees (and may edit) it whole
+                residual = _hooked(hook, f"layers.{i}.residual", x + residual)
+                x = torch.zeros_like(x)
+        x, residual = x[logits_index], residual[logits_index]               # [rows_out, hidden]
+        h, _ = k_.add_rms_norm(x, residual, self.norm, eps)
+        if hook is not None:
+            h = _hooked(hook, "final_norm", h)
+        if hidden_out is not None:
+            hidden_out.copy_(h)
+        if logits_out is not None and logits_out.dtype == h.dtype:
+            return torch.mm(h, self.lm_head.t(), out=logits_out)            # [rows_out, vocab]
+        logits = F.linear(h, self.lm_head)
+        if logits_out is not None:
+            return logits_out.copy_(logits)
+        return logits
+
+    __call__ = forward
+
+
+def _hooked(hook: Hook, name: str, x: torch.Tensor) -> torch.Tensor:
+    y = hook(name, x)
+    return x if y is None else y
+
+
+def rope_tables(head_dim: int, theta: float, max_positions: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, head_dim] in float32, exactly as Hugging Face computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    pos = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = pos[:, None] * inv_freq[None, :]                              # [positions, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)

@@ -1,0 +1,340 @@
+"""Session: the stateful facade over one model, its paged KV cache and its requests.
+
+    sess.add_request(prompt) ─> sess.prefill() ─> sess.sample() ─> sess.decode_step() ─> sess.sample() ...
+    sess.step()      = schedule + run + sample one step
+    sess.generate()  = step() until the given prompts finish (continuous batching)
+
+Every step is refused with a clear error, before any state changes, when it cannot run.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from . import device as devices
+from .config import ModelConfig, SessionConfig
+from .engine import sampler
+from .engine.engine import Engine, check_not_pending
+from .engine.outputs import StepResult
+from .engine.plan import build_plan
+from .engine.request import ABORTED, DECODING, PREFILLING, WAITING, Completion, Request, SamplingParams
+from .engine.scheduler import Scheduler
+from .errors import InvalidRequestError, OutOfBlocksError
+from .kernels import get_kernels
+from .model.loader import load_checkpoint
+from .model.qwen3 import Qwen3Model
+from .tokenizer import Tokenizer
+
+HISTORY = 256
+CPU_KV_BUDGET = 4 << 30
+
+
+class Session:
+    """One model, its paged KV cache and its requests. Create with ``Session.from_pretrained``."""
+
+    def __init__(self, model: Qwen3Model, config: SessionConfig, *, path: Path | None = None,
+                 tokenizer: Tokenizer | None = None):
+        self.config = config
+        self.model_config: ModelConfig = model.config
+        self.path = path
+        self.tokenizer = tokenizer
+        self.model = model
+        self._engine = Engine(model, config)
+        self._scheduler = Scheduler(self._engine.manager, max_batch=config.max_batch,
+                                    chunk_size=config.chunk_size)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self._requests: dict[int, Request] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._next_id = 0
+        self._step_index = 0
+        self._seed_rng = random.Random(0)
+        self.history: collections.deque[StepResult] = collections.deque(maxlen=HISTORY)
+
+    @classmethod
+    def from_pretrained(cls, path, *, device="auto", dtype="auto", max_batch=16, block_size=None,
+                        num_blocks=None, max_model_len=None, chunk_size=512, prefix_cache=True,
+                        device_outputs=None, slot_check="raise", decode_padding="runtime",
+                        kernels="auto") -> "Session":
+        """Load a Hugging Face Qwen3 checkpoint folder into a new Session (see the API docs)."""
+        path = Path(path)
+        dev = devices.resolve_device(device)
+        _check_choice("slot_check", slot_check, ("raise", "warn", "off"))
+        _check_choice("decode_padding", decode_padding, ("runtime", "replicate"))
+        for name, v in (("max_batch", max_batch), ("chunk_size", chunk_size)):
+            if not isinstance(v, int) or v < 1:
+                raise InvalidRequestError(f"Session.from_pretrained: {name}={v!r} must be an int >= 1")
+        kernel_name = devices.resolve_kernels(kernels, dev)
+        if device_outputs is None:
+            device_outputs = os.environ.get("QWEN_NPU_DEVICE_OUTPUTS", "1").strip() != "0"
+        mc = ModelConfig.from_pretrained(path)
+        max_model_len = max_model_len or min(mc.max_position_embeddings, 8192)
+        block_size = block_size or devices.default_block_size(dev)
+        load_dtype = None if dtype == "auto" else dtype
+        _, weights = load_checkpoint(path, dtype=load_dtype, device=dev)
+        model = Qwen3Model(mc, weights, get_kernels(kernel_name), max_positions=max_model_len)
+        if num_blocks is None:
+            num_blocks = _default_num_blocks(mc, model.dtype, dev, max_batch, max_model_len, block_size)
+        config = SessionConfig(
+            device=str(dev), dtype=str(model.dtype).removeprefix("torch."), max_batch=max_batch,
+            block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=chunk_size,
+            prefix_cache=bool(prefix_cache), device_outputs=bool(device_outputs), slot_check=slot_check,
+            decode_padding=decode_padding, kernels=kernel_name)
+        return cls(model, config, path=path, tokenizer=Tokenizer.load(path))
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt, sampling: SamplingParams | None = None) -> Request:
+        """Queue a prompt (text or token ids); returns the live Request."""
+        return self._add(*self._prepare(prompt, sampling))
+
+    def _prepare(self, prompt, sampling) -> tuple[list[int], str | None, SamplingParams]:
+        """Validate one prompt without changing any state."""
+        if sampling is None:
+            sampling = SamplingParams()
+        elif isinstance(sampling, dict):
+            sampling = SamplingParams(**sampling)
+        elif not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be a SamplingParams, a dict or None, not {type(sampling).__name__}")
+        sampling.validate()
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"{self.path}: this checkpoint has no tokenizer.json, so prompts "
+                                          f"must be lists of token ids, not text")
+            text, prompt = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, torch.Tensor):
+            prompt = prompt.flatten().tolist()
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"prompt must be a str or a list of int token ids, not {type(prompt).__name__}") from None
+        if not ids:
+            raise InvalidRequestError("prompt is empty: a request needs at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
+        if bad:
+            i, t = bad[0]
+            raise InvalidRequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {vocab})")
+        total = len(ids) + sampling.max_new_tokens
+        if total > self.config.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} exceeds "
+                f"max_model_len={self.config.max_model_len}")
+        need = -(-total // self.config.block_size)
+        if need > self.config.num_blocks:
+            raise OutOfBlocksError(
+                f"a request of up to {total} tokens needs {need} blocks of {self.config.block_size} but the "
+                f"cache has only {self.config.num_blocks}; raise num_blocks or lower max_new_tokens")
+        return ids, text, sampling
+
+    def _add(self, ids: list[int], text: str | None, sampling: SamplingParams) -> Request:
+        rid = self._next_id
+        self._next_id += 1
+        eos = () if sampling.ignore_eos else self.model_config.eos_token_ids
+        stops = frozenset(sampling.stop_token_ids if sampling.stop_token_ids is not None else eos)
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        req = Request(rid, ids, sampling, stops, block_table=self._engine.manager.block_table,
+                      decode=decode, prompt_text=text)
+        seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
+        if not sampling.greedy:
+            self._generators[rid] = sampler.new_generator(self.model.device, seed)
+        self._requests[rid] = req
+        return req
+
+    @property
+    def requests(self) -> list[Request]:
+        """The live Requests in arrival order."""
+        return list(self._requests.values())
+
+    def request(self, request_id: int) -> Request:
+        try:
+            return self._requests[int(request_id)]
+        except KeyError:
+            raise InvalidRequestError(f"no request with id {request_id}") from None
+
+    def abort(self, req) -> None:
+        """Stop a request wherever it is and free its blocks."""
+        req = self.request(req.id if isinstance(req, Request) else req)
+        if req.is_done:
+            raise InvalidRequestError(f"request {req.id} already {req.status}")
+        self._engine.finish(req, "abort", ABORTED)
+
+    def reset(self) -> None:
+        """Forget every request and step; empty the cache (back to the state after loading)."""
+        self._engine.reset()
+        self._init_state()
+
+    # ---- steps ----------------------------------------------------------------------------------------
+    @property
+    def last_step(self) -> StepResult | None:
+        return self.history[-1] if self.history else None
+
+    def prefill(self, requests=None) -> StepResult:
+        """One prefill step over waiting/prefilling requests (default: all, in arrival order)."""
+        check_not_pending(self.last_step, "prefill")
+        t0 = time.perf_counter()
+        if requests is None:
+            cands = [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)]
+        else:
+            cands = [self.request(r.id if isinstance(r, Request) else r) for r in requests]
+            bad = [r for r in cands if r.status not in (WAITING, PREFILLING)]
+            if bad:
+                raise InvalidRequestError(f"cannot prefill request {bad[0].id}: it is {bad[0].status}")
+        rows = self._scheduler.prefill_rows(self.requests, cands)
+        if not rows:
+            raise InvalidRequestError(self._nothing_to_run("prefill"))
+        return self._run("prefill", rows, t0)
+
+    def decode_step(self) -> StepResult:
+        """One runtime-batch decode step over every decoding request."""
+        check_not_pending(self.last_step, "decode")
+        t0 = time.perf_counter()
+        if not any(r.status == DECODING for r in self._requests.values()):
+            raise InvalidRequestError(self._nothing_to_run("decode"))
+        rows = self._scheduler.decode_rows(self.requests)
+        if not rows:
+            raise InvalidRequestError(self._nothing_to_run("decode"))
+        return self._run("decode", [(r, 1) for r in rows], t0)
+
+    def _run(self, kind: str, rows, t0: float) -> StepResult:
+        cfg = self.config
+        pad = cfg.max_batch if kind == "decode" and cfg.decode_padding == "replicate" else None
+        tables = {r.id: self._engine.manager.block_table(r.id) for r, _ in rows}
+        plan = build_plan(kind, self._step_index, rows, tables, cfg.block_size, pad_to=pad)
+        timings = {"schedule": time.perf_counter() - t0}
+        step = self._engine.run(plan, self._requests, timings)
+        self._step_index += 1
+        self.history.append(step)
+        return step
+
+    def _nothing_to_run(self, kind: str) -> str:
+        by = collections.Counter(r.status for r in self._requests.values())
+        state = ", ".join(f"{n} {s}" for s, n in by.items()) or "no requests"
+        return f"nothing to {kind}: {state}" + ("; add a request first" if not by else "")
+
+    def sample(self, step: StepResult | None = None, *, force=None) -> torch.Tensor:
+        """Sample one token per logits row of ``step`` (default: the last) on the device.
+
+        ``force`` teacher-forces instead: a list with one token id per logits row, or a dict
+        request id -> token id (rows not named are sampled as usual).
+        """
+        step = step if step is not None else self.last_step
+        if step is None:
+            raise InvalidRequestError("nothing to sample: no step has run yet")
+        if step is not self.last_step:
+            raise InvalidRequestError(f"cannot sample step {step.index}: only the last step "
+                                      f"({self.last_step.index}) can be sampled")
+        if step.token_ids is not None:
+            raise InvalidRequestError(f"step {step.index} was already sampled")
+        if step.logits is None:
+            raise InvalidRequestError(f"step {step.index} produced no logits (no row finished its prompt)")
+        if force is not None:
+            force = self._forced(step, force)
+        return self._engine.sample(step, self._requests, self._generators, force=force)
+
+    def _forced(self, step: StepResult, force) -> dict[int, int]:
+        ids = step.logits_request_ids
+        if isinstance(force, dict):
+            unknown = sorted(set(force) - set(ids))
+            if unknown:
+                raise InvalidRequestError(f"force names requests {unknown} that have no logits row in step {step.index}")
+            out = {int(k): int(v) for k, v in force.items()}
+        else:
+            force = list(force)
+            if len(force) != len(ids):
+                raise InvalidRequestError(f"force has {len(force)} tokens but step {step.index} has {len(ids)} logits rows")
+            out = {rid: int(t) for rid, t in zip(ids, force)}
+        bad = {k: v for k, v in out.items() if not 0 <= v < self.model_config.vocab_size}
+        if bad:
+            raise InvalidRequestError(f"forced tokens outside the vocabulary: {bad}")
+        return out
+
+    def step(self) -> StepResult:
+        """Schedule, run and sample one step: prefill when a prompt can make progress, else decode."""
+        check_not_pending(self.last_step, "step")
+        t0 = time.perf_counter()
+        rows = self._scheduler.prefill_rows(
+            self.requests, [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)])
+        if rows:
+            step = self._run("prefill", rows, t0)
+        else:
+            drows = self._scheduler.decode_rows(self.requests)
+            if not drows:
+                raise InvalidRequestError(self._nothing_to_run("step"))
+            step = self._run("decode", [(r, 1) for r in drows], t0)
+        if step.logits is not None:
+            self.sample(step)
+        return step
+
+    def generate(self, prompts, sampling=None, progress=None) -> list[Completion]:
+        """Run ``prompts`` to completion with continuous batching; results in input order."""
+        if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(samplings) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(samplings)} sampling params")
+        check_not_pending(self.last_step, "generate")
+        prepared = [self._prepare(p, s) for p, s in zip(prompts, samplings)]
+        reqs = [self._add(*p) for p in prepared]
+        bar = _progress(progress, sum(r.sampling.max_new_tokens for r in reqs))
+        done_tokens = 0
+        while not all(r.is_done for r in reqs):
+            self.step()
+            if bar is not None:
+                now = sum(len(r.output_token_ids) for r in reqs)
+                bar.update(now - done_tokens)
+                done_tokens = now
+        if bar is not None:
+            bar.close()
+        return [Completion.of(r) for r in reqs]
+
+    # ---- inspection -------------------------------------------------------------------------------------
+    @property
+    def buffers(self):
+        """Read-only mapping name -> live tensor of the dispatch and output buffers."""
+        import types
+        return types.MappingProxyType(self._engine.buffers.tensors)
+
+    @property
+    def prefix_cache_stats(self):
+        return self._engine.manager.stats
+
+    def __repr__(self) -> str:
+        c = self.config
+        m = self._engine.manager
+        by = collections.Counter(r.status for r in self._requests.values())
+        return (f"Session({self.path.name if self.path else 'model'}: {self.model_config.num_hidden_layers} layers, "
+                f"device={c.device}, dtype={c.dtype}, kernels={c.kernels}, blocks {m.num_used_blocks} used / "
+                f"{m.num_free_blocks} free of {c.num_blocks} (block_size {c.block_size}), requests {dict(by)}, "
+                f"steps {self._step_index})")
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise InvalidRequestError(f"{name}={value!r}: choose one of {', '.join(map(repr, choices))}")
+
+
+def _default_num_blocks(mc: ModelConfig, dtype, dev, max_batch, max_model_len, block_size) -> int:
+    from .cache.kv_cache import bytes_per_block
+    per_block = bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads, mc.head_dim, dtype)
+    per_seq = -(-max_model_len // block_size)
+    want = max_batch * per_seq
+    if dev.type == "cpu":
+        budget = CPU_KV_BUDGET
+    else:
+        budget = devices.free_memory(dev) // 2
+    return max(per_seq, min(want, budget // per_block))
+
+
+def _progress(progress, total):
+    if progress is False:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, unit="tok", desc="generate", leave=False)
