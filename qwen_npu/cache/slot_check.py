@@ -178,11 +178,11 @@ def check_slot_mapping(slot_mapping, block_tables, block_size: int, *, positions
 
 def check_step_writes(writes: StepWrites, *, block_size: int, num_blocks: int | None,
                       ref_count: Callable[[int], int] | None = None, ledger: SlotLedger | None = None,
-                      is_live: Callable[[int, int], bool] | None = None) -> list[SlotProblem]:
+                      is_live: Callable[[int, int, int], bool] | None = None) -> list[SlotProblem]:
     """All problems of one step about to run, most serious first; [] when the step is safe.
 
     `ref_count(block)` > 1 marks a shared prefix block (never written). With `ledger` and
-    `is_live(request_id, position)` (does that token still hold its slot?), overwriting a live token
+    `is_live(request_id, position, slot)` (does that token still hold that slot?), overwriting a live token
     of another request is a problem; the ledger alone only adds "last written by" to messages.
     """
     w, n = writes, writes.num_dispatched
@@ -258,7 +258,7 @@ def _find(header, slots, tok_rows, tok_pos, tables, num_active, bs, num_blocks, 
                 hits.setdefault(("shared_block", s), []).append(i)
         if live:
             last = ledger.last_raw(s)  # (request_id, position, step)
-            if last is not None and last[0] != row_req[r] and is_live(last[0], last[1]):
+            if last is not None and last[0] != row_req[r] and is_live(last[0], last[1], s):
                 hits.setdefault(("live_overwrite", s), []).append(i)
     if not hits:
         return []

@@ -97,7 +97,7 @@ class Engine:
             plan.block_tables)
         bs = self.config.block_size
 
-        def is_live(request_id: int, position: int, slot: int | None = None) -> bool:
+        def is_live(request_id: int, position: int, slot: int) -> bool:
             """Does (request, position) still hold ``slot`` with a computed token?"""
             req = requests.get(request_id)
             if req is None or req.is_done or position >= req.num_computed_tokens:
@@ -105,7 +105,7 @@ class Engine:
             table = self.manager.block_table(request_id)
             if position // bs >= len(table):
                 return False
-            return slot is None or table[position // bs] * bs + position % bs == slot
+            return table[position // bs] * bs + position % bs == slot
 
         return check_step_writes(writes, block_size=bs, num_blocks=self.config.num_blocks,
                                  ref_count=self.manager.pool.ref_count, ledger=self.ledger, is_live=is_live)

@@ -116,7 +116,7 @@ class Harness:
 
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), num_blocks=st.integers(2, 8), block_size=st.integers(1, 4),
-       prefix_cache=st.booleans(), ops=st.lists(st.sampled_from(OPS), max_size=30))
+       prefix_cache=st.booleans(), ops=st.lists(st.sampled_from(OPS), min_size=8, max_size=40))
 def test_random_operations_keep_invariants(data, num_blocks, block_size, prefix_cache, ops):
     h = Harness(num_blocks, block_size, prefix_cache)
     alphabet = st.integers(0, 1)

@@ -183,7 +183,7 @@ def test_step_replicate_padding_message_shape():
     ledger.record(6, [2051], [12], [515])
     w = decode_writes(7, slots, tables, pos, reqs, active=3)
     probs = check_step_writes(w, block_size=BS, num_blocks=512, ref_count=lambda b: 1, ledger=ledger,
-                              is_live=lambda r, p: True)
+                              is_live=lambda r, p, s: True)
     dups = [p for p in probs if p.check == "duplicate"]
     assert len(dups) == 1 and probs[0] is dups[0]
     assert dups[0].rows == (0,) + tuple(range(3, 16)) and dups[0].request_ids == (12,)
@@ -214,15 +214,15 @@ def test_step_live_overwrite_of_another_request():
     ledger = SlotLedger(16 * BS)
     ledger.record(4, [2 * BS + 3], [5], [3])
     w = decode_writes(5, [2 * BS + 3], [[2]], [3], [6])
-    probs = check_step_writes(w, block_size=BS, num_blocks=16, ledger=ledger, is_live=lambda r, p: r == 5)
+    probs = check_step_writes(w, block_size=BS, num_blocks=16, ledger=ledger, is_live=lambda r, p, s: r == 5)
     (p,) = probs
     assert p.check == "live_overwrite"
     assert p.message == ("step 5 (decode, 1 row dispatched, 1 active): row 0 (request 6) overwrites slot 35 "
                          "(block 2, offset 3), which still holds request 5 at position 3 (written in step 4)")
     # freed (not live) or same request: no problem
-    assert check_step_writes(w, block_size=BS, num_blocks=16, ledger=ledger, is_live=lambda r, p: False) == []
+    assert check_step_writes(w, block_size=BS, num_blocks=16, ledger=ledger, is_live=lambda r, p, s: False) == []
     same = decode_writes(5, [2 * BS + 3], [[2]], [3], [5])
-    always = lambda r, p: True
+    always = lambda r, p, s: True
     assert check_step_writes(same, block_size=BS, num_blocks=16, ledger=ledger, is_live=always) == []
 
 
