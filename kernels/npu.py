@@ -37,7 +37,7 @@ NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_SIZE = 2048   # sparse_mode=3 takes one compressed [2048, 2048] causal mask for any length
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def warn_fallback(op: str, reason: str) -> None:
     """Say once per (op, reason) that ``op`` runs the reference kernel (``cache_clear`` re-arms)."""
     warnings.warn(f"qwen_npu.kernels.npu.{op}: {reason}; running the reference kernel instead",

@@ -39,7 +39,7 @@ try:
 except (ImportError, OSError, RuntimeError) as _exc:   # torch-npu without CANN breaks `import torch`
     raise ImportError(torch_import_hint(_exc)) from _exc
 
-from .errors import DeviceError  # noqa: E402
+from .errors import DeviceError
 
 KERNEL_CHOICES = ("auto", "reference", "npu")
 
@@ -48,7 +48,7 @@ KERNEL_CHOICES = ("auto", "reference", "npu")
 def _probe_torch_npu() -> tuple[ModuleType | None, int, str]:
     """Import torch_npu once: (module or None, visible NPU count, reason in words)."""
     try:
-        import torch_npu  # noqa: F401  (registers torch.npu and the "npu" device type)
+        import torch_npu  # registers torch.npu and the "npu" device type
     except ImportError as e:
         if getattr(e, "name", None) == "torch_npu":
             return None, 0, "torch_npu is not installed"

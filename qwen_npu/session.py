@@ -304,16 +304,25 @@ class Session:
 
     @property
     def prefix_cache_stats(self):
+        """Prefix-cache hits and misses (blocks and tokens) since creation or ``reset``; frozen."""
         return self._engine.manager.stats
 
+    @property
+    def blocks(self):
+        """A snapshot of every KV block: state, ref count, holders, prefix hash, tokens held."""
+        from .inspect.blocks import take_session_blocks
+        return take_session_blocks(self)
+
+    def snapshot(self):
+        """A frozen copy of what the Session view shows (model, cache, requests, last step)."""
+        from .inspect.snapshot import take_session
+        return take_session(self)
+
     def __repr__(self) -> str:
-        c = self.config
-        m = self._engine.manager
-        by = collections.Counter(r.status for r in self._requests.values())
-        return (f"Session({self.path.name if self.path else 'model'}: {self.model_config.num_hidden_layers} layers, "
-                f"device={c.device}, dtype={c.dtype}, kernels={c.kernels}, blocks {m.num_used_blocks} used / "
-                f"{m.num_free_blocks} free of {c.num_blocks} (block_size {c.block_size}), requests {dict(by)}, "
-                f"steps {self._step_index})")
+        return repr(self.snapshot())
+
+    def _repr_html_(self) -> str:
+        return self.snapshot()._repr_html_()
 
 
 def _check_choice(name, value, choices):

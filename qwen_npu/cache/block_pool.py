@@ -59,7 +59,7 @@ class BlockInfo:
 
 
 class _Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids")
+    __slots__ = ("block_hash", "block_id", "parent_hash", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

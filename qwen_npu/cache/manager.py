@@ -172,10 +172,14 @@ class KVCacheManager:
 
     def blocks_needed(self, request_id: int, num_tokens: int) -> int:
         """New blocks the request needs so its table covers ``num_tokens`` tokens."""
-        return max(0, _blocks_for(num_tokens, self._block_size) - len(self.block_table(request_id)))
+        state = self._requests.get(request_id)
+        return max(0, _blocks_for(num_tokens, self._block_size) - (len(state.table) if state else 0))
 
     def allocate(self, request_id: int, num_tokens: int) -> bool:
-        """Append blocks so the table covers ``num_tokens``; False (nothing changed) if too few are free."""
+        """Append blocks so the table covers ``num_tokens`` (creating the table of a new request).
+
+        Returns False, changing nothing, when too few blocks are allocatable.
+        """
         state = self._requests.get(request_id)
         have = len(state.table) if state is not None else 0
         n = max(0, _blocks_for(num_tokens, self._block_size) - have)
@@ -239,7 +243,13 @@ class KVCacheManager:
 
     # ---- invariants ----------------------------------------------------------------------------
     def check(self) -> list[str]:
-        """Invariant problems as sentences (pool, ref counts vs tables, shared blocks); empty when fine."""
+        """Invariant problems as readable sentences; empty when all is well.
+
+        Checks the pool (free + used = total, no block both free-queued and referenced, hash table
+        consistent), that each block's ref_count equals the number of tables holding it, that the
+        cached blocks along a table chain their hashes, and that no block a request may still write
+        (past its computed tokens) is shared or cached.
+        """
         problems = self._pool.check()
         holders: dict[int, list[int]] = {}
         for rid, state in self._requests.items():
@@ -260,6 +270,15 @@ class KVCacheManager:
                 problems.append(f"block {block_id} has ref_count {ref_count} but {len(held_by)} block tables "
                                 f"hold it (requests {held_by})")
         for rid, state in self._requests.items():
+            previous = None                                    # the hash chain along the table
+            for index, block_id in enumerate(state.table):
+                info = self._pool.block(block_id) if 0 <= block_id < self.num_blocks else None
+                if info is not None and info.is_cached and info.parent_hash != previous and (
+                        index == 0 or previous is not None):
+                    before = "it is the first block" if index == 0 else f"the block before it holds {previous}"
+                    problems.append(f"request {rid}: block {block_id} (table index {index}) is cached after "
+                                    f"parent hash {info.parent_hash}, but {before}")
+                previous = info.block_hash if info is not None else None
             first = state.num_computed // self._block_size   # first block this request may still write
             for index in range(first, len(state.table)):
                 block_id = state.table[index]

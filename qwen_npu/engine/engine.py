@@ -21,8 +21,9 @@ from ..cache.slot_check import StepWrites, check_step_writes, raise_or_warn
 from ..config import SessionConfig
 from ..errors import InvalidRequestError
 from ..model.qwen3 import Hook, Qwen3Model
-from . import sampler
+from . import logprobs, sampler, stopping
 from .buffers import DispatchBuffers
+from .faults import FaultEmulator
 from .outputs import DeviceLogits, StepResult
 from .plan import StepPlan
 from .request import DECODING, FINISHED, Request
@@ -51,6 +52,7 @@ class Engine:
             hidden_dtype=model.dtype, device=device)
         self.runner = ModelRunner(model, self.kv_cache, self.buffers)
         self.hook: Hook | None = None
+        self.faults: FaultEmulator | None = None   # EMULATED hardware faults; off unless asked for
 
     # ---- running a step ---------------------------------------------------------------------------
     def run(self, plan: StepPlan, requests: dict[int, Request], timings: dict) -> StepResult:
@@ -68,10 +70,12 @@ class Engine:
             req = row.request
             req.num_computed_tokens = row.end
             self.manager.commit(req.id, req.all_token_ids, row.end)
-        self.ledger.record(plan.index, plan.slot_mapping,
-                           [r.request.id for r in plan.rows for _ in range(r.end - r.start)],
-                           plan.positions,
-                           [i for i, r in enumerate(plan.rows) for _ in range(r.end - r.start)])
+        collisions = self.ledger.record(plan.index, plan.slot_mapping,
+                                        [r.request.id for r in plan.rows for _ in range(r.end - r.start)],
+                                        plan.positions,
+                                        [i for i, r in enumerate(plan.rows) for _ in range(r.end - r.start)])
+        if self.faults is not None and collisions:
+            self.faults.apply(plan.index, collisions, self.kv_cache, stacklevel=4)
         n_logits = len(plan.logits_rows)
         logits = DeviceLogits(logits_buf, n_logits, transfers, plan.index) if n_logits else None
         host_logits = torch.empty(0)
@@ -87,7 +91,14 @@ class Engine:
             seq_lens=torch.tensor(plan.seq_lens), logits=logits,
             logits_request_ids=[plan.rows[r].request.id for r in plan.logits_rows],
             host_logits=host_logits, hidden=hidden_buf.tensor[:n_logits] if n_logits else None,
-            timings=timings, transfers=transfers, slot_problems=problems)
+            timings=timings, transfers=transfers, slot_problems=problems, block_size=self.config.block_size,
+            cache_usage=self.cache_usage())
+
+    def cache_usage(self) -> dict:
+        """Blocks by state now: used (held), cached (reusable prefix, ref count 0), free."""
+        m = self.manager
+        return {"used": m.num_used_blocks, "cached": m.num_cached_blocks,
+                "free": m.num_free_blocks - m.num_cached_blocks}
 
     def check_plan(self, plan: StepPlan, requests: dict[int, Request]):
         rows = list(plan.row_slices())
@@ -116,21 +127,28 @@ class Engine:
         """Sample every logits row of ``step`` on the device and apply the tokens to requests.
 
         Returns the token ids [rows] on the device. The one host sync: a single int64 per row,
-        the token id with the row's health code packed into its upper 32 bits.
+        the token id with the row's health code packed into its upper 32 bits (widened to
+        ``2 + k`` int64 when a row asks for log-probabilities, see ``logprobs.py``).
         """
         t0 = time.perf_counter()
         reqs = [requests[i] for i in step.logits_request_ids]
         logits = step.logits.tensor                                     # [rows, vocab]
-        ids, h2d = sampler.sample(logits, [r.sampling for r in reqs], [generators.get(r.id) for r in reqs])
+        allowed, h2d_mask = stopping.mask_early_stops(logits, reqs)
+        ids, h2d = sampler.sample(allowed, [r.sampling for r in reqs], [generators.get(r.id) for r in reqs])
+        h2d += h2d_mask
         if force:
             forced = torch.tensor([force.get(r.id, -1) for r in reqs], dtype=torch.int64)
             h2d += forced.nbytes
             forced = forced.to(ids.device)
             ids = torch.where(forced >= 0, forced, ids)
+        ks = [r.sampling.logprobs for r in reqs]
         packed = ids | (_health_codes(logits) << 32)
+        packed = logprobs.attach(packed, logits, ids, logprobs.width(ks, logits.shape[-1]))
         host = packed.cpu()
         step.transfers["h2d"] += h2d
         step.transfers["d2h"] += host.nbytes
+        lps = logprobs.unpack(host, ks)
+        host = host if host.dim() == 1 else host[:, 0]
         tokens = host & 0xFFFFFFFF
         codes = (host >> 32).tolist()
         step.token_ids = tokens
@@ -138,9 +156,11 @@ class Engine:
         if step.health:
             warnings.warn(f"step {step.index}: " + "; ".join(f"request {rid}: {why}" for rid, why in step.health),
                           StreamHealthWarning, stacklevel=3)
-        for req, tok in zip(reqs, tokens.tolist()):
+        for req, tok, lp in zip(reqs, tokens.tolist(), lps):
             if req.is_done:
                 continue                         # aborted between the forward and this sample
+            if lp is not None and req.logprobs is not None:
+                req.logprobs.append(lp)
             self.append_token(req, tok)
         step.timings["sample"] = time.perf_counter() - t0
         return ids
@@ -149,7 +169,9 @@ class Engine:
         req.output_token_ids.append(token)
         req.status = DECODING
         sp = req.sampling
-        if token in req.stop_token_ids:
+        why = stopping.fired(req, token)
+        if why is not None:
+            req.stop_reason = why
             self.finish(req, "stop")
         elif len(req.output_token_ids) >= sp.max_new_tokens:
             self.finish(req, "length")

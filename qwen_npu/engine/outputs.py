@@ -68,6 +68,10 @@ class DeviceLogits:
         return (f"DeviceLogits(step {self.step_index}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"device={self.device}, {state})")
 
+    def _repr_html_(self) -> str:
+        from ..inspect.step_view import logits_html
+        return logits_html(self)
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -93,14 +97,22 @@ class StepResult:
     transfers: dict = dataclasses.field(default_factory=lambda: {"h2d": 0, "d2h": 0})
     health: list = dataclasses.field(default_factory=list)   # rows whose logits look broken
     slot_problems: list = dataclasses.field(default_factory=list)
+    block_size: int | None = None                # the cache's block size (slot = block * block_size + offset)
+    cache_usage: dict = dataclasses.field(default_factory=dict)   # blocks {"used", "cached", "free"} after the run
 
     @property
     def sampled(self) -> bool:
         return self.token_ids is not None or not self.logits_request_ids
 
+    def to_dict(self, *, logits_topk: int = 0) -> dict:
+        """What the step dispatched (and sampled) as plain JSON types; see docs/dump-format.md."""
+        from ..dump import step_to_dict
+        return step_to_dict(self, logits_topk=logits_topk)
+
     def __repr__(self) -> str:
-        toks = "not sampled" if self.token_ids is None else f"tokens={self.token_ids.tolist()}"
-        pad = f", {self.num_active} active" if self.num_active != self.batch_size else ""
-        return (f"StepResult(step {self.index}, {self.kind}, {self.batch_size} rows{pad}, "
-                f"{int(self.query_lens.sum())} tokens, requests={self.request_ids}, {toks}, "
-                f"h2d={self.transfers['h2d']} B, d2h={self.transfers['d2h']} B)")
+        from ..inspect.snapshot import take_step
+        return repr(take_step(self))
+
+    def _repr_html_(self) -> str:
+        from ..inspect.snapshot import take_step
+        return take_step(self)._repr_html_()

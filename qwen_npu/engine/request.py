@@ -17,6 +17,8 @@ import math
 from typing import Callable
 
 from ..errors import InvalidRequestError
+from .logprobs import TokenLogprob
+from .stopping import StopStrings
 
 WAITING, PREFILLING, DECODING, FINISHED, ABORTED = "waiting", "prefilling", "decoding", "finished", "aborted"
 STATUSES = (WAITING, PREFILLING, DECODING, FINISHED, ABORTED)
@@ -25,7 +27,10 @@ STATUSES = (WAITING, PREFILLING, DECODING, FINISHED, ABORTED)
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick a request's tokens. temperature 0 is greedy; a seed makes samples reproducible
-    whatever else shares the batch; ``stop_token_ids=None`` means the checkpoint's eos ids."""
+    whatever else shares the batch; ``stop_token_ids=None`` means the checkpoint's eos ids.
+    ``stop``: strings that end the output (matched on decoded text, cut from it);
+    ``min_new_tokens``: no stop before that many tokens; ``logprobs=k``: record each token's
+    log-probability and its k most likely alternatives (see ``engine/stopping.py``, ``engine/logprobs.py``)."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -34,10 +39,17 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
+    stop: tuple[str, ...] | None = None
+    min_new_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None and not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
         self.validate()
 
     def validate(self) -> None:
@@ -53,6 +65,26 @@ class SamplingParams:
             bad("top_p", "must be in (0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad("seed", "must be None or an int >= 0")
+        if self.stop is not None and not all(isinstance(x, str) and x for x in self.stop):
+            bad("stop", "must be a non-empty string or a list of them")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            bad("min_new_tokens", f"must be an int in 0..max_new_tokens ({self.max_new_tokens})")
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or lp < 0):
+            bad("logprobs", "must be None (off) or an int >= 0 (alternatives per token)")
+
+    def validate_for(self, vocab_size: int, *, has_tokenizer: bool) -> None:
+        """The checks that need the checkpoint: token ids in the vocabulary, a tokenizer for ``stop``."""
+        bad = [t for t in self.stop_token_ids or () if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"SamplingParams.stop_token_ids: {bad[0]} is outside the "
+                                      f"vocabulary [0, {vocab_size})")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise InvalidRequestError(f"SamplingParams.logprobs={self.logprobs}: more than the "
+                                      f"vocabulary ({vocab_size})")
+        if self.stop and not has_tokenizer:
+            raise InvalidRequestError("SamplingParams.stop needs text, but this checkpoint has no tokenizer; "
+                                      "use stop_token_ids instead")
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +111,9 @@ class Request:
         self.num_cached_tokens = 0       # prompt tokens taken from the prefix cache at admission
         self.num_preemptions = 0
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None   # the stop token id or stop string that fired
+        self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
+        self.stop_strings = StopStrings(sampling.stop, decode) if sampling.stop and decode else None
         self.prompt_text = prompt_text
         self._block_table = block_table
         self._decode = decode
@@ -102,13 +137,22 @@ class Request:
 
     @property
     def text(self) -> str | None:
-        """The output decoded to text (None when the checkpoint has no tokenizer)."""
-        return self._decode(self.output_token_ids) if self._decode else None
+        """The output decoded to text (None when the checkpoint has no tokenizer), cut before the
+        stop string that finished it, if one did."""
+        if self._decode is None:
+            return None
+        text = self._decode(self.output_token_ids)
+        cut = self.stop_strings.cut if self.stop_strings is not None else None
+        return text if cut is None else text[:cut]
 
     def __repr__(self) -> str:
         return (f"Request(id={self.id}, status={self.status!r}, prompt={len(self.prompt_token_ids)} tokens, "
                 f"output={len(self.output_token_ids)} tokens, computed={self.num_computed_tokens}, "
                 f"blocks={self.block_table}, finish_reason={self.finish_reason!r})")
+
+    def _repr_html_(self) -> str:
+        from ..inspect.snapshot import take_request
+        return take_request(self)._repr_html_()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +164,11 @@ class Completion:
     token_ids: tuple[int, ...]
     text: str | None
     finish_reason: str | None
+    stop_reason: int | str | None = None               # the stop token id or stop string
+    logprobs: tuple[TokenLogprob, ...] | None = None   # one per token, with SamplingParams(logprobs=k)
 
     @classmethod
     def of(cls, req: Request) -> "Completion":
+        lps = tuple(req.logprobs) if req.logprobs is not None else None
         return cls(req.id, tuple(req.prompt_token_ids), tuple(req.output_token_ids), req.text,
-                   req.finish_reason)
+                   req.finish_reason, req.stop_reason, lps)

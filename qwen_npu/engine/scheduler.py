@@ -9,6 +9,12 @@ Policy (continuous batching with chunked prefill):
 * When a running request needs a block and none is free, the most recently added running
   request is preempted: its blocks are freed and it waits again, keeping its tokens, to be
   recomputed later. Waiting requests are only admitted when their blocks are free.
+* Older requests come first: a request only ever preempts requests added after it (a decoding
+  request that is itself the newest preempts itself; a prefilling one skips the step, keeping
+  its blocks). So the oldest running request always makes progress, and since every request
+  alone fits in the cache, every request finishes while steps continue.
+* A waiting request that finds no room stops admission for the step (later arrivals must not
+  overtake it), but requests already prefilling still get their chunks.
 """
 from __future__ import annotations
 
@@ -31,24 +37,27 @@ class Scheduler:
         rows: list[tuple[Request, int]] = []
         budget = self.chunk_size
         num_running = len(self.running(requests))
+        admitting = True                     # False once a waiting request found no room
         for req in candidates:
             if len(rows) == self.max_batch or budget == 0:
                 break
             if req.status == WAITING:
-                if num_running >= self.max_batch:
+                if not admitting or num_running >= self.max_batch:
                     continue
                 n = self._admit(req, budget)
                 if n == 0:
-                    break                    # no room: later arrivals must not overtake it
+                    admitting = False        # no room: later arrivals must not overtake it
+                    continue
                 num_running += 1
             elif req.status == PREFILLING and req.num_computed_tokens < req.num_tokens:
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 while not self.manager.allocate(req.id, req.num_computed_tokens + n):
-                    victim = self._victim(requests, exclude=req)
+                    victim = self._victim(requests, newer_than=req)
                     if victim is None:
-                        n = 0
+                        n = 0                # it is the newest: it waits, keeping its blocks
                         break
                     self.preempt(victim)
+                    budget += sum(k for r, k in rows if r is victim)
                     rows = [(r, k) for r, k in rows if r is not victim]
                 if n == 0:
                     continue
@@ -89,9 +98,12 @@ class Scheduler:
                 rows.append(req)
         return rows
 
-    def _victim(self, requests: list[Request], exclude: Request | None = None) -> Request | None:
+    def _victim(self, requests: list[Request], newer_than: Request | None = None) -> Request | None:
+        """The most recently added running request (added after ``newer_than``, when given)."""
         for r in reversed(requests):
-            if r.status in (PREFILLING, DECODING) and r is not exclude:
+            if r is newer_than:
+                return None
+            if r.status in (PREFILLING, DECODING):
                 return r
         return None
 

@@ -13,14 +13,13 @@ import warnings
 
 import pytest
 import torch
-
 from qwen_npu.kernels import AttentionMetadata
 from qwen_npu.kernels import npu as npu_k
 from qwen_npu.kernels import reference as ref
 
 pytestmark = pytest.mark.device
 
-TOL = {torch.float16: dict(atol=5e-3, rtol=5e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {torch.float16: {"atol": 5e-3, "rtol": 5e-3}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 DTYPES = list(TOL)
 BLOCK = 128
 HEAD_DIM = 128
@@ -186,7 +185,7 @@ def test_session_parity_npu_vs_cpu(tmp_path, dtype, tol):
         step = sess.prefill()
         logits[dev] = step.logits.to_host().float()
         sess.reset()
-        done = sess.generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        done = sess.generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True), progress=False)
         tokens[dev] = [list(c.token_ids) for c in done]
     torch.testing.assert_close(logits["npu"], logits["cpu"], atol=tol, rtol=tol)
     if dtype == "float32":

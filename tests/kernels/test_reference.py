@@ -8,17 +8,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from typing import ClassVar
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
-
 from qwen_npu.kernels import AttentionMetadata
 from qwen_npu.kernels import reference as ref
+from torch.overrides import TorchFunctionMode
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 DTYPES = list(TOL)
 
 
@@ -229,7 +229,7 @@ def test_rope_equals_transformers_apply_rotary_pos_emb():
 class NoHostSync(TorchFunctionMode):
     """Fails on every call that moves data to the host (or waits for the device)."""
 
-    FORBIDDEN = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.__bool__,
+    FORBIDDEN: ClassVar = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.__bool__,
                  torch.Tensor.numpy, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -1,9 +1,11 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from qwen_npu.cache import block_pool
 from qwen_npu.cache.block_pool import BlockInfo, BlockPool, hash_block
 from qwen_npu.errors import OutOfBlocksError
 
@@ -63,6 +65,7 @@ def test_cached_blocks_go_to_tail_and_are_evicted_least_recently_freed_first():
     assert pool.lookup(None, [5, 6]) is None     # evicted: its hash left the table
     assert pool.block(2) == BlockInfo(2, 1, None, None, ())
     assert pool.lookup(h0, [3, 4]) == 1 and pool.lookup(None, [1, 2]) == 0
+    assert pool.block(1).block_hash == h1
     assert pool.allocate(1) == [1]
     assert pool.lookup(h0, [3, 4]) is None and pool.lookup(None, [1, 2]) == 0
     assert pool.num_cached == 1
@@ -123,10 +126,14 @@ def test_chained_hash():
 
 
 def test_hash_is_deterministic_across_processes():
-    code = "from qwen_npu.cache.block_pool import hash_block; print(hash_block(hash_block(None, [1, 2]), [3, 4]))"
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout
-            for seed in ("1", "random")}
+    # Fresh interpreters with other str-hash salts compute the same hashes. A bare 'qwen_npu'
+    # package is registered so the child skips the package __init__ (and its torch import).
+    code = ("import sys, types; pkg = types.ModuleType('qwen_npu'); pkg.__path__ = [sys.argv[1]]; "
+            "sys.modules['qwen_npu'] = pkg; from qwen_npu.cache.block_pool import hash_block; "
+            "print(hash_block(hash_block(None, [1, 2]), [3, 4]))")
+    package_dir = str(Path(block_pool.__file__).parents[1])
+    outs = {subprocess.run([sys.executable, "-c", code, package_dir], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert outs == {f"{hash_block(hash_block(None, [1, 2]), [3, 4])}\n"}
 
 

@@ -29,7 +29,7 @@ def run_python(code: str, fake_root=None) -> dict:
     if fake_root is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(fake_root), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=180)
+                          text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -238,8 +238,6 @@ def test_device_module_turns_a_failing_import_torch_into_the_cann_hint(tmp_path)
     assert_hint(run_python(IMPORT_CHECK.format(bypass_init=True), root)["message"])
 
 
-@pytest.mark.xfail(strict=False, reason="qwen_npu/__init__.py must import .device before any module "
-                                        "that imports torch, so `import qwen_npu` shows the CANN hint")
 def test_import_qwen_npu_shows_the_cann_hint_when_torch_cannot_load(tmp_path):
     root = make_autoloaded_broken_torch_npu(tmp_path / "fake")
     assert_hint(run_python(IMPORT_CHECK.format(bypass_init=False), root)["message"])

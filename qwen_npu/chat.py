@@ -1,0 +1,99 @@
+"""Chat input: a list of messages rendered with the checkpoint's own chat template.
+
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        ──template (tokenizer_config.json "chat_template", jinja2)──>
+    "<|im_start|>system\\nBe brief.<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
+
+The template runs in a sandboxed jinja2 environment set up like the one in ``transformers``
+(``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` filter that keeps non-ASCII,
+``raise_exception`` and ``strftime_now``), so the text — and hence the token ids — equal
+``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``. Template variables
+such as ``enable_thinking`` pass through ``chat_template_kwargs``.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping
+
+from .errors import InvalidRequestError
+
+
+def is_messages(prompt) -> bool:
+    """Does ``prompt`` look like a chat (a non-empty list of dicts) rather than text or token ids?"""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], Mapping)
+
+
+def template_kwargs(enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None) -> dict:
+    """The variables handed to the template: ``chat_template_kwargs`` plus ``enable_thinking`` when set."""
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise InvalidRequestError(f"chat_template_kwargs must be a dict, not {type(chat_template_kwargs).__name__}")
+    kwargs = dict(chat_template_kwargs or {})
+    if enable_thinking is not None:
+        kwargs["enable_thinking"] = bool(enable_thinking)
+    return kwargs
+
+
+def apply_chat_template(tokenizer, messages, *, add_generation_prompt: bool = True, where: str = "",
+                        **kwargs) -> str:
+    """Render ``messages`` with ``tokenizer.chat_template``; InvalidRequestError when the
+    checkpoint has none or the messages are malformed (``where`` names the checkpoint)."""
+    _check_messages(messages)
+    template = tokenizer.chat_template if tokenizer is not None else None
+    if not template:
+        what = "no tokenizer" if tokenizer is None else "no chat_template in tokenizer_config.json"
+        raise InvalidRequestError(f"{where or 'this checkpoint'}: {what}, so chat messages cannot be used; "
+                                  f"pass the prompt as text or token ids instead")
+    if isinstance(template, list):        # a list of named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()))
+    special = {k: _token_text(v) for k, v in tokenizer.config.items()
+               if k.endswith("_token") and isinstance(v, (str, dict))}
+    variables = {**special, "messages": [dict(m) for m in messages], "tools": None, "documents": None,
+                 "add_generation_prompt": add_generation_prompt, **kwargs}
+    import jinja2
+    try:
+        return _environment().from_string(template).render(**variables)
+    except (_TemplateError, jinja2.TemplateError) as e:
+        raise InvalidRequestError(f"{where or 'chat template'}: the chat template refused the messages: {e}") from None
+
+
+def _check_messages(messages) -> None:
+    if not is_messages(messages):
+        raise InvalidRequestError("chat messages must be a non-empty list of dicts like "
+                                  "{'role': 'user', 'content': '...'}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(f"chat message {i} must be a dict with a 'role' string, got {m!r}")
+        if "content" in m and m["content"] is not None and not isinstance(m["content"], str):
+            raise InvalidRequestError(f"chat message {i}: 'content' must be a string, "
+                                      f"not {type(m['content']).__name__}")
+
+
+def _token_text(v) -> str:
+    return v.get("content", "") if isinstance(v, dict) else v
+
+
+class _TemplateError(Exception):
+    pass
+
+
+def _environment():
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise _TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env

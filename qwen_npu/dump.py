@@ -1,0 +1,213 @@
+"""Step dumps: what each step dispatched, in a portable JSON file any runner can write.
+
+    sess.dump("run.json")                 # the session's recent steps (sess.history)
+    d = qwen_npu.load_dump("run.json")    # -> Dump: .meta, .steps, .check()
+    $ qwen-npu inspect run.json           # prints every step and runs the slot checks on it
+
+The format (``docs/dump-format.md``) is plain JSON — no pickle, nothing executable — so another
+serving runner can write it from its own dispatch buffers and have ``qwen-npu inspect`` look
+for KV slot collisions in it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .cache.slot_check import SlotReport, check_slot_mapping
+from .errors import InvalidRequestError
+
+FORMAT = "qwen-npu-dump"
+VERSION = 1
+REQUIRED = ("kind", "slot_mapping", "block_tables")
+
+
+def step_to_dict(step, *, logits_topk: int = 0) -> dict:
+    """A StepResult as plain JSON types. ``logits_topk=k`` adds the k largest logits per logits
+    row while the step's device logits are still live (k values and ids per row cross)."""
+    d = {
+        "kind": step.kind, "index": step.index, "batch_size": step.batch_size, "num_active": step.num_active,
+        "request_ids": list(step.request_ids), "input_ids": _ints(step.input_ids),
+        "positions": _ints(step.positions), "slot_mapping": _ints(step.slot_mapping),
+        "query_lens": _ints(step.query_lens), "seq_lens": _ints(step.seq_lens),
+        "block_tables": [_trim(row) for row in step.block_tables.tolist()],
+        "logits_request_ids": list(step.logits_request_ids),
+        "token_ids": None if step.token_ids is None else _ints(step.token_ids),
+        "transfers": dict(step.transfers), "timings": {k: float(v) for k, v in step.timings.items()},
+        "slot_problems": [str(p) for p in step.slot_problems],
+    }
+    if logits_topk and step.logits is not None and not step.logits.is_stale:
+        values, ids = step.logits.topk(min(int(logits_topk), step.logits.shape[1]))
+        d["logits_topk"] = {"ids": ids.tolist(), "values": values.tolist()}
+    return d
+
+
+def session_meta(sess) -> dict:
+    c, m = sess.config, sess.model_config
+    return {"block_size": c.block_size, "num_blocks": c.num_blocks, "max_batch": c.max_batch,
+            "chunk_size": c.chunk_size, "decode_padding": c.decode_padding, "slot_check": c.slot_check,
+            "device": c.device, "dtype": c.dtype, "kernels": c.kernels,
+            "model": str(sess.path) if sess.path else None, "num_layers": m.num_hidden_layers,
+            "vocab_size": m.vocab_size}
+
+
+def write_dump(path, steps: list[dict], meta: dict) -> Path:
+    """Write step dicts and run metadata (at least ``block_size``) to ``path`` as JSON."""
+    path = Path(path)
+    doc = {"format": FORMAT, "version": VERSION, "meta": meta, "steps": steps}
+    path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+    return path
+
+
+def dump_session(sess, path, steps=None, *, logits_topk: int = 0) -> Path:
+    """``sess.dump``: ``steps`` = StepResults or step indices from ``sess.history`` (default all)."""
+    history = list(sess.history)
+    if steps is None:
+        chosen = history
+    else:
+        by_index = {s.index: s for s in history}
+        chosen = []
+        for s in steps:
+            if isinstance(s, int) and s not in by_index:
+                raise InvalidRequestError(f"dump: step {s} is not in sess.history (kept: "
+                                          f"{history[0].index if history else '-'}..{history[-1].index if history else '-'})")
+            chosen.append(by_index[s] if isinstance(s, int) else s)
+    return write_dump(path, [step_to_dict(s, logits_topk=logits_topk) for s in chosen], session_meta(sess))
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpStep:
+    """One step read back from a dump (plain lists; optional fields None when absent)."""
+
+    kind: str
+    index: int
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    query_lens: list[int]
+    num_active: int
+    request_ids: list[int]
+    positions: list[int] | None = None
+    seq_lens: list[int] | None = None
+    input_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    raw: dict = dataclasses.field(default_factory=dict, repr=False)   # every field as stored
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.block_tables)
+
+    @classmethod
+    def from_dict(cls, d: dict, number: int, where: str = "dump") -> "DumpStep":
+        missing = [k for k in REQUIRED if k not in d]
+        if missing:
+            raise InvalidRequestError(f"{where}: step #{number} lacks {', '.join(missing)}")
+        rows = len(d["block_tables"])
+        qls = d.get("query_lens") or [1] * rows
+        return cls(kind=d["kind"], index=int(d.get("index", number)), slot_mapping=list(d["slot_mapping"]),
+                   block_tables=[list(r) for r in d["block_tables"]], query_lens=list(qls),
+                   num_active=int(d.get("num_active", rows)), request_ids=list(d.get("request_ids") or range(rows)),
+                   positions=d.get("positions"), seq_lens=d.get("seq_lens"), input_ids=d.get("input_ids"),
+                   token_ids=d.get("token_ids"), raw=d)
+
+    def check(self, block_size: int, num_blocks: int | None = None) -> SlotReport:
+        """``check_slot_mapping`` on this step (rows at and past ``num_active`` are padding)."""
+        return check_slot_mapping(self.slot_mapping, self.block_tables, block_size, positions=self.positions,
+                                  seq_lens=None if self.positions else self.seq_lens, num_blocks=num_blocks,
+                                  active_rows=self.num_active, query_lens=self.query_lens)
+
+    def summary(self) -> str:
+        pad = f", {self.num_active} active" if self.num_active != self.batch_size else ""
+        toks = "" if self.token_ids is None else f"; sampled {self.token_ids}"
+        return (f"step {self.index} ({self.kind}): {self.batch_size} rows{pad}, {sum(self.query_lens)} tokens, "
+                f"requests {self.request_ids}{toks}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dump:
+    """A dump file read back: ``meta`` (run settings) and ``steps`` in file order."""
+
+    meta: dict
+    steps: list[DumpStep]
+    path: Path | None = None
+
+    @property
+    def block_size(self) -> int:
+        return int(self.meta["block_size"])
+
+    def check(self) -> list[tuple[DumpStep, SlotReport]]:
+        """The slot report of every step, in order."""
+        return [(s, s.check(self.block_size, self.meta.get("num_blocks"))) for s in self.steps]
+
+    def __repr__(self) -> str:
+        return format_dump(self)
+
+
+def load_dump(path) -> Dump:
+    """Read a dump written by ``sess.dump`` or by any runner following docs/dump-format.md."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidRequestError(f"{path}: not a readable JSON dump ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise InvalidRequestError(f"{path}: not a {FORMAT} file (its 'format' field must be {FORMAT!r})")
+    if doc.get("version") != VERSION:
+        raise InvalidRequestError(f"{path}: dump version {doc.get('version')!r}; this reader knows {VERSION}")
+    meta = doc.get("meta") or {}
+    if "block_size" not in meta:
+        raise InvalidRequestError(f"{path}: meta.block_size is missing (the slot checks need it)")
+    steps = [DumpStep.from_dict(d, i, str(path)) for i, d in enumerate(doc.get("steps") or [])]
+    return Dump(meta, steps, path)
+
+
+def format_dump(dump: Dump, *, verbose: bool = False) -> str:
+    """Every step with its slot report, as ``qwen-npu inspect`` prints it."""
+    m = dump.meta
+    head = ", ".join(f"{k}={m[k]}" for k in ("model", "device", "block_size", "num_blocks", "max_batch",
+                                             "decode_padding") if m.get(k) is not None)
+    lines = [f"dump {dump.path or ''}: {len(dump.steps)} steps ({head})"]
+    bad = 0
+    for step, report in dump.check():
+        lines.append(step.summary())
+        if verbose:
+            lines.append(f"  positions    {step.positions}")
+            lines.append(f"  slot_mapping {step.slot_mapping}")
+            lines += [f"  row {r} blocks {t}" for r, t in enumerate(step.block_tables)]
+        if report.ok:
+            lines.append("  slots ok")
+        else:
+            bad += 1
+            lines += [f"  PROBLEM {p}" for p in report.problems]
+    lines.append(f"{bad} of {len(dump.steps)} steps have slot problems" if bad else "all steps ok")
+    return "\n".join(lines)
+
+
+def add_inspect_parser(subparsers) -> None:
+    """Register ``qwen-npu inspect DUMP [-v]`` on an argparse subparsers object."""
+    p = subparsers.add_parser("inspect", help="print a step dump and run the slot checks on every step")
+    p.add_argument("dump", help="a JSON dump written by sess.dump() or another runner (docs/dump-format.md)")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print positions, slots and block tables")
+    p.set_defaults(handler=run_inspect)
+
+
+def run_inspect(args) -> int:
+    """Exit status 0 when every step is clean, 1 when any has slot problems, 2 for a bad file."""
+    try:
+        dump = load_dump(args.dump)
+    except InvalidRequestError as e:
+        print(f"qwen-npu inspect: {e}")
+        return 2
+    print(format_dump(dump, verbose=args.verbose))
+    return 1 if any(not r.ok for _, r in dump.check()) else 0
+
+
+def _ints(t) -> list[int]:
+    return [int(x) for x in (t.tolist() if hasattr(t, "tolist") else t)]
+
+
+def _trim(row: list[int]) -> list[int]:
+    """Drop the -1 padding at the end of a block-table row."""
+    n = len(row)
+    while n and row[n - 1] < 0:
+        n -= 1
+    return row[:n]

@@ -1,0 +1,83 @@
+"""When a request stops: stop token ids, stop strings and ``min_new_tokens``.
+
+Rules, for the n-th generated token (n counts from 1):
+
+* While ``n <= min_new_tokens`` nothing stops the request: the sampler masks its stop token ids
+  (eos included) to -inf on the device before picking, and a teacher-forced stop token or a stop
+  string completed by such a token is not a stop.
+* Otherwise a stop token id finishes it with ``finish_reason="stop"`` and ``stop_reason`` = the
+  token id (the token stays in ``output_token_ids``); a stop string completed by the token
+  finishes it with ``finish_reason="stop"`` and ``stop_reason`` = the string. The text is cut
+  before the stop string; the token ids that spelled it stay in ``output_token_ids`` (they were
+  sampled and their K/V computed).
+* Else reaching ``max_new_tokens`` finishes it with ``finish_reason="length"``.
+
+Stop strings are matched on the decoded output text (special tokens skipped), so they may span
+several tokens; among several matches the one that starts first wins (then the earlier listed).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+
+
+class StopStrings:
+    """Watches a request's output text for its stop strings as tokens arrive."""
+
+    def __init__(self, stops: tuple[str, ...], decode: Callable[[list[int]], str]):
+        self.stops = stops
+        self.text = IncrementalDetokenizer(decode)
+        self.cut: int | None = None        # the output text ends here once a stop string matched
+        self.matched: str | None = None
+        self._overlap = max(len(s) for s in stops) - 1
+
+    def push(self, token: int, *, search: bool = True) -> str | None:
+        """Add one token; returns the stop string it completed (when ``search``), else None."""
+        before = len(self.text.text)
+        if not self.text.push([token]) or not search:
+            return None
+        text, lo = self.text.text, max(0, before - self._overlap)
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = text.find(s, lo)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        self.cut, self.matched = best
+        return self.matched
+
+
+def fired(req, token: int) -> int | str | None:
+    """What ``token``, just appended to ``req.output_token_ids``, stops: a token id, a stop
+    string, or None (see the module rules; ``max_new_tokens`` is the caller's)."""
+    may_stop = len(req.output_token_ids) > req.sampling.min_new_tokens
+    matcher = req.stop_strings
+    hit = matcher.push(token, search=may_stop) if matcher is not None else None
+    if not may_stop:
+        return None
+    if token in req.stop_token_ids:
+        return token
+    return hit
+
+
+def mask_early_stops(logits: torch.Tensor, reqs) -> tuple[torch.Tensor, int]:
+    """``logits`` [rows, vocab] with every row still under its ``min_new_tokens`` unable to pick
+    a stop token id (set to -inf in a device copy); returns (logits, h2d bytes). The input is
+    returned unchanged (no copy) when no row needs it."""
+    rows, cols = [], []
+    for r, req in enumerate(reqs):
+        if len(req.output_token_ids) < req.sampling.min_new_tokens:
+            for t in sorted(req.stop_token_ids):
+                rows.append(r)
+                cols.append(t)
+    if not rows:
+        return logits, 0
+    index = torch.tensor([rows, cols], dtype=torch.int64)               # [2, masked entries]
+    dev = index.to(logits.device)
+    out = logits.clone()
+    out[dev[0], dev[1]] = float("-inf")
+    return out, index.nbytes

@@ -1,0 +1,194 @@
+"""``sess.kv``: the paged KV cache, slot by slot.
+
+    key(layer), value(layer)   the LIVE device tensors [num_blocks, block_size, num_kv_heads, head_dim];
+                               writing into them changes the cache (that is how a fault is injected)
+    read(request, position, layer) -> (k, v)    host copies [num_kv_heads, head_dim] of one token
+    slot(slot) -> SlotInfo     who wrote the slot last, when, its write history, who holds it now
+
+    slot = block * block_size + offset            e.g. block_size 4: slot 27 = block 6, offset 3
+    a request's position p lives in slot  block_table[p // block_size] * block_size + p % block_size
+
+Everything but ``key``/``value`` is a snapshot copied when taken.
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+import operator
+
+import torch
+
+from ..cache.ledger import SlotCollision, SlotWrite
+from ..engine.request import DECODING, PREFILLING, Request
+from ..errors import InvalidRequestError
+
+RUNNING = (PREFILLING, DECODING)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotInfo:
+    """One slot, copied when taken. ``request_id``/``position``/``written_at_step`` describe the
+    last write (None if the slot was never written since the cache was last cleared)."""
+
+    slot: int
+    block: int
+    offset: int
+    request_id: int | None
+    position: int | None
+    written_at_step: int | None
+    history: tuple[SlotWrite, ...] = ()            # oldest first, bounded by the ledger
+    held_by: tuple[tuple[int, int], ...] = ()      # (request id, position) of running requests whose
+                                                   # computed token lives here now
+    collisions: tuple[SlotCollision, ...] = ()     # steps that wrote this slot more than once
+    faults: tuple[str, ...] = ()                   # EMULATED faults applied to this slot
+
+    @property
+    def is_live(self) -> bool:
+        """Does a running request still read this slot as one of its computed tokens?"""
+        return bool(self.held_by)
+
+    def _lines(self) -> list[str]:
+        head = f"slot {self.slot} (block {self.block}, offset {self.offset})"
+        if self.request_id is None:
+            last = "never written"
+        else:
+            last = f"request {self.request_id} at position {self.position}, step {self.written_at_step}"
+        held = ", ".join(f"request {r} @ {p}" for r, p in self.held_by) or "nobody (not a live token)"
+        lines = [head, f"  last write: {last}", f"  held by:    {held}"]
+        if self.history:
+            lines.append("  history:    " + "; ".join(
+                f"step {w.step}: request {w.request_id} @ {w.position}" for w in self.history))
+        lines += [f"  COLLISION   {c}" for c in self.collisions]
+        lines += [f"  {f}" for f in self.faults]
+        return lines
+
+    def __repr__(self) -> str:
+        return "\n".join(self._lines())
+
+    def _repr_html_(self) -> str:
+        lines = self._lines()
+        bad = bool(self.collisions or self.faults)
+        color = "#cf222e" if bad else "#1f2328"
+        body = "<br>".join(html.escape(x).replace("  ", "&nbsp;&nbsp;") for x in lines[1:])
+        return (f'<div style="font-family:ui-monospace,monospace;font-size:12px">'
+                f'<b style="color:{color}">{html.escape(lines[0])}</b><br>{body}</div>')
+
+
+class KVView:
+    """The Session's KV cache with its bookkeeping; see the module docstring."""
+
+    def __init__(self, engine, requests: dict[int, Request]):
+        self._engine = engine
+        self._requests = requests
+        self._cache = engine.kv_cache
+
+    @property
+    def num_layers(self) -> int:
+        return self._cache.num_layers
+
+    @property
+    def num_blocks(self) -> int:
+        return self._cache.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._cache.block_size
+
+    @property
+    def num_slots(self) -> int:
+        return self._cache.num_slots
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._cache.keys[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._cache.keys[0].device
+
+    def key(self, layer: int) -> torch.Tensor:
+        """The live key cache of ``layer``: [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self._cache.keys[self._layer(layer)]
+
+    def value(self, layer: int) -> torch.Tensor:
+        """The live value cache of ``layer``: [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self._cache.values[self._layer(layer)]
+
+    def slot_of(self, request, position: int) -> int:
+        """The slot holding computed ``position`` of a running ``request`` (Request or id)."""
+        req = self._request(request)
+        position = _index(position, "position")
+        if req.status not in RUNNING:
+            why = "its blocks were freed" if req.is_done else "it holds no blocks (not admitted, or preempted)"
+            raise InvalidRequestError(f"request {req.id} is {req.status}: {why}, so position {position} is not "
+                                      f"in the cache; sess.kv.slot(s) still shows what a slot last held")
+        n = req.num_computed_tokens
+        if not 0 <= position < n:
+            have = f"positions 0..{n - 1}" if n else "no positions yet"
+            raise InvalidRequestError(f"request {req.id} has computed {have}; position {position} is not in "
+                                      f"the cache")
+        table = self._engine.manager.block_table(req.id)
+        bs = self.block_size
+        return table[position // bs] * bs + position % bs
+
+    def read(self, request, position: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies (k, v), each [num_kv_heads, head_dim], of one computed token in ``layer``."""
+        layer = self._layer(layer)
+        slot = self.slot_of(request, position)
+        b, o = divmod(slot, self.block_size)
+        return self._cache.keys[layer][b, o].cpu().clone(), self._cache.values[layer][b, o].cpu().clone()
+
+    def slot(self, slot: int) -> SlotInfo:
+        """A snapshot of ``slot``: its last write, write history, current holders, collisions, faults."""
+        slot = _index(slot, "slot")
+        if not 0 <= slot < self.num_slots:
+            raise InvalidRequestError(f"slot {slot!r} is not a slot of this cache (0..{self.num_slots - 1}: "
+                                      f"{self.num_blocks} blocks x {self.block_size})")
+        ledger, bs = self._engine.ledger, self.block_size
+        block, offset = divmod(slot, bs)
+        last = ledger.last(slot)
+        held = []
+        manager = self._engine.manager
+        for rid in manager.owners(block):
+            req = self._requests.get(rid)
+            table = manager.block_table(rid)
+            pos = table.index(block) * bs + offset
+            if req is not None and req.status in RUNNING and pos < req.num_computed_tokens:
+                held.append((rid, pos))
+        faults = self._engine.faults
+        found = tuple(str(f) for f in faults.applied if f.slot == slot) if faults is not None else ()
+        return SlotInfo(slot, block, offset, last.request_id if last else None, last.position if last else None,
+                        last.step if last else None, ledger.history(slot), tuple(held),
+                        tuple(c for c in ledger.collisions if c.slot == slot), found)
+
+    def _layer(self, layer) -> int:
+        layer = _index(layer, "layer")
+        if not 0 <= layer < self.num_layers:
+            raise InvalidRequestError(f"layer {layer!r} does not exist: the model has layers "
+                                      f"0..{self.num_layers - 1}")
+        return layer
+
+    def _request(self, request) -> Request:
+        rid = request.id if isinstance(request, Request) else request
+        try:
+            return self._requests[int(rid)]
+        except (KeyError, TypeError, ValueError):
+            raise InvalidRequestError(f"no request with id {rid!r}") from None
+
+    def __repr__(self) -> str:
+        k = self._cache.keys[0]
+        return (f"KVCache({self.num_layers} layers x K/V {list(k.shape)} (blocks, slots, kv heads, head dim), "
+                f"{k.dtype}, {k.device}; {self.num_slots} slots, {len(self._engine.ledger)} written)")
+
+    def _repr_html_(self) -> str:
+        return f'<div style="font-family:ui-monospace,monospace;font-size:12px">{html.escape(repr(self))}</div>'
+
+
+def _index(x, name: str) -> int:
+    """An int (also a numpy or 0-d torch integer); refuses bools and floats with a clear error."""
+    if isinstance(x, bool):
+        raise InvalidRequestError(f"{name} must be an int, not bool")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise InvalidRequestError(f"{name} must be an int, not {type(x).__name__}") from None

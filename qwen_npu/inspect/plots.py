@@ -1,0 +1,158 @@
+"""Matplotlib figures of a session's history and cache. Each function returns a new Figure
+(it never calls ``plt.show``); close it with ``matplotlib.pyplot.close(fig)`` when done.
+
+    plot_cache_occupancy(sess)      used / cached / free blocks after every step (stacked areas)
+    plot_rows_per_step(sess)        active and padding rows per step, with the max_batch line
+    plot_step_timings(sess)         seconds per step, stacked by phase (schedule, forward, ...)
+    plot_topk(step, request_id)     top-k next-token probabilities of one logits row (bars)
+    plot_kv_norms(sess, request)    |K| and |V| by layer and position of one request (images)
+
+``history`` arguments accept a Session (its ``history``) or any sequence of StepResults.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import InvalidRequestError
+from . import html as h
+
+PHASES = ("schedule", "check", "prepare", "forward", "bookkeeping", "sample")
+STATE_COLORS = {"used": "#0969da", "cached": h.CACHED_BG, "free": "#f6f8fa"}
+
+
+def _figure(width: float = 7.0, height: float = 3.0, ncols: int = 1):
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, height), layout="constrained")
+    axes = fig.subplots(1, ncols)
+    return fig, axes
+
+
+def _steps(history) -> list:
+    steps = list(history.history if hasattr(history, "history") else history)
+    if not steps:
+        raise InvalidRequestError("nothing to plot: no step has run yet")
+    return steps
+
+
+def plot_cache_occupancy(history):
+    """Blocks used, cached and free after each step (from ``StepResult.cache_usage``)."""
+    steps = [s for s in _steps(history) if getattr(s, "cache_usage", None)]
+    if not steps:
+        raise InvalidRequestError("these steps carry no cache_usage to plot")
+    fig, ax = _figure()
+    x = [s.index for s in steps]
+    names = ("used", "cached", "free")
+    ys = [[s.cache_usage.get(n, 0) for s in steps] for n in names]
+    ax.stackplot(x, *ys, labels=names, colors=[STATE_COLORS[n] for n in names], step="mid",
+                 edgecolor="#57606a", linewidth=0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("blocks")
+    ax.set_title("KV cache occupancy after each step")
+    ax.set_ylim(0, sum(y[0] for y in ys))
+    ax.legend(loc="upper left", fontsize=8)
+    return fig
+
+
+def plot_rows_per_step(history, max_batch: int | None = None):
+    """Rows dispatched per step: active rows (by kind) and replicate-padding rows on top."""
+    steps = _steps(history)
+    if max_batch is None and hasattr(history, "config"):
+        max_batch = history.config.max_batch
+    fig, ax = _figure()
+    x = [s.index for s in steps]
+    active = [s.num_active for s in steps]
+    padding = [s.batch_size - s.num_active for s in steps]
+    colors = ["#0969da" if s.kind == "prefill" else "#1a7f37" for s in steps]
+    from matplotlib.patches import Patch
+    ax.bar(x, active, color=colors)
+    handles = [Patch(color="#0969da", label="prefill rows"), Patch(color="#1a7f37", label="decode rows")]
+    if any(padding):
+        handles.append(ax.bar(x, padding, bottom=active, color="#ffebe9", edgecolor="#cf222e", hatch="///",
+                              label="padding rows"))
+    if max_batch:
+        handles.append(ax.axhline(max_batch, color="#57606a", linestyle="--", linewidth=1,
+                                  label=f"max_batch {max_batch}"))
+    ax.legend(handles=handles, fontsize=8, loc="upper right")
+    ax.set_xlabel("step")
+    ax.set_ylabel("rows")
+    ax.set_title("Rows per step (a partial decode batch dispatches fewer rows)")
+    return fig
+
+
+def plot_step_timings(history, phases=PHASES):
+    """Seconds per step, one stacked bar per step, split by phase."""
+    steps = _steps(history)
+    fig, ax = _figure()
+    x = [s.index for s in steps]
+    bottom = [0.0] * len(steps)
+    seen = [p for p in phases if any(p in s.timings for s in steps)]
+    seen += sorted({k for s in steps for k in s.timings} - set(seen))
+    cmap = ["#8ecae6", "#ffb703", "#90be6d", "#0969da", "#b8a1e3", "#f9844a", "#4cc9a0", "#e9c46a"]
+    for i, phase in enumerate(seen):
+        vals = [1e3 * s.timings.get(phase, 0.0) for s in steps]
+        ax.bar(x, vals, bottom=bottom, label=phase, color=cmap[i % len(cmap)])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("step")
+    ax.set_ylabel("milliseconds")
+    ax.set_title("Time per step by phase")
+    ax.legend(fontsize=8, loc="upper right")
+    return fig
+
+
+def plot_topk(step, request_id: int | None = None, k: int = 10, decode=None):
+    """Top-k next-token probabilities of one logits row of ``step`` (default: its first row)."""
+    from .topk import topk
+    t = topk(step, k, decode)
+    rid = t.request_ids[0] if request_id is None else int(request_id)
+    if rid not in t.request_ids:
+        raise InvalidRequestError(f"request {rid} has no logits row in step {step.index} "
+                                  f"(rows: {list(t.request_ids)})")
+    r = t.request_ids.index(rid)
+    labels = [f"{tok} {t.texts[r][j]!r}" if t.texts else str(tok) for j, tok in enumerate(t.token_ids[r])]
+    fig, ax = _figure(6.0, 0.6 + 0.28 * len(labels))
+    ax.barh(range(len(labels)), t.probs[r], color=h.owner_color(rid))
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("probability")
+    ax.set_xlim(0, max(1e-9, max(t.probs[r])) * 1.1)
+    ax.set_title(f"Step {step.index}, request {rid}: top-{len(labels)} next tokens")
+    return fig
+
+
+def kv_norms(sess, request) -> tuple[torch.Tensor, torch.Tensor]:
+    """|K| and |V| [layers, positions] of a request's computed tokens (float32, on the host).
+
+    Norms are taken over kv heads x head_dim on the device; only ``2 * layers * positions`` numbers
+    cross to the host.
+    """
+    req = sess.request(getattr(request, "id", request))
+    engine = sess._engine
+    bs = sess.config.block_size
+    table = engine.manager.block_table(req.id)
+    n = min(req.num_computed_tokens, len(table) * bs)
+    if n == 0:
+        raise InvalidRequestError(f"request {req.id} has no K/V in the cache (status {req.status}, "
+                                  f"{req.num_computed_tokens} computed tokens)")
+    kv = engine.kv_cache
+    dev = kv.keys[0].device
+    pos = torch.arange(n, device=dev)
+    blocks = torch.tensor(table, device=dev)[pos // bs]
+    offsets = pos % bs
+    with torch.no_grad():
+        k = torch.stack([t[blocks, offsets].float().flatten(1).norm(dim=-1) for t in kv.keys])    # [layers, n]
+        v = torch.stack([t[blocks, offsets].float().flatten(1).norm(dim=-1) for t in kv.values])  # [layers, n]
+        return k.cpu(), v.cpu()
+
+
+def plot_kv_norms(sess, request):
+    """Two heat maps, |K| and |V| by layer (rows) and position (columns), for one request."""
+    k, v = kv_norms(sess, request)
+    rid = getattr(request, "id", request)
+    fig, axes = _figure(7.0, 1.2 + 0.5 * k.shape[0], ncols=2)
+    for ax, data, name in zip(axes, (k, v), ("|K|", "|V|")):
+        im = ax.imshow(data.numpy(), aspect="auto", interpolation="nearest", cmap="viridis")
+        ax.set_xlabel("position")
+        ax.set_ylabel("layer")
+        ax.set_title(f"request {rid}: {name}")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    return fig

@@ -1,0 +1,27 @@
+"""`qwen-npu demo` runs and tells a coherent story."""
+import re
+
+from qwen_npu.cli import main
+from qwen_npu.demo import MAX_NEW, PROMPTS
+
+
+def test_demo_tour_output_makes_sense(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    # every prompt became a request with its own output stream of the requested length
+    for i, n in enumerate(MAX_NEW):
+        m = re.search(rf"request {i} \(length, (\d+) tokens\): \[([\d, ]+)\]", out)
+        assert m, f"no output stream for request {i}"
+        assert int(m.group(1)) == n and len(m.group(2).split(",")) == n
+    assert len(PROMPTS) == len(MAX_NEW)
+    # the prompt longer than chunk_size was prefilled over several steps
+    prefill_steps = re.findall(r"step \d+: rows \[[\d, ]+\] compute \[([\d, ]+)\] tokens", out)
+    assert len(prefill_steps) >= 2
+    assert all(sum(map(int, s.split(","))) <= 16 for s in prefill_steps)
+    # a partial decode batch is shown with exactly as many slots as active rows
+    m = re.search(r"partial batch: (\d+) of 3 requests.*?\n.*?request_ids +\[([\d, ]+)\].*?slot_mapping \[([\d, ]+)\]",
+                  out, re.S)
+    assert m
+    active = int(m.group(1))
+    assert len(m.group(2).split(",")) == active == len(m.group(3).split(","))
+    assert re.search(r"tokens generated in [\d.]+ s; decode: \d+ steps, [\d.]+ tokens/s", out)

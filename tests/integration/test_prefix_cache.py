@@ -1,0 +1,217 @@
+"""The prefix cache seen from the Session: what a step computes, what it reuses, what it shares."""
+import pytest
+import torch
+
+from cache_kit import TOL, assert_no_leaks, assert_same_outputs, record_dispatch, run_logits, written_blocks
+from session_kit import greedy, make_untied, open_session, prompts
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_untied(tmp_path_factory.mktemp("prefix_cache"))
+
+
+def first_step_of(steps, rid):
+    return next(s for s in steps if rid in s.request_ids)
+
+
+def row_of(step, rid):
+    """(positions, query_len) of ``rid``'s row in ``step``."""
+    row = step.request_ids.index(rid)
+    start = int(step.query_lens[:row].sum())
+    n = int(step.query_lens[row])
+    return step.positions[start:start + n].tolist(), n
+
+
+def shared_prefix_plan():
+    base = prompts((30,), seed=1)[0]
+    tails = prompts((3, 6, 1), seed=2)
+    return [
+        (0, base, greedy(6)),
+        (3, base[:22] + tails[0], greedy(5)),       # shares 5 blocks of 4 with request 0
+        (3, base + tails[1], greedy(4)),            # shares every full block of request 0's prompt
+        (9, base, greedy(6)),                       # the same prompt again
+        (9, base[:5] + tails[2], greedy(3)),        # shares one block
+        (12, prompts((9,), seed=3)[0], greedy(5)),  # shares nothing
+    ]
+
+
+def test_same_tokens_and_logits_with_the_prefix_cache_on_and_off(ckpt):
+    on = open_session(ckpt, prefix_cache=True)
+    off = open_session(ckpt, prefix_cache=False)
+    got_on = run_logits(on, shared_prefix_plan())
+    got_off = run_logits(off, shared_prefix_plan())
+    assert_same_outputs(got_on, got_off)
+    assert on.prefix_cache_stats.hit_blocks > 0
+    assert off.prefix_cache_stats.hit_blocks == off.prefix_cache_stats.queries == 0
+    computed_on = sum(int(s.query_lens.sum()) for s in got_on[2] if s.kind == "prefill")
+    computed_off = sum(int(s.query_lens.sum()) for s in got_off[2] if s.kind == "prefill")
+    assert computed_off - computed_on == on.prefix_cache_stats.hit_tokens
+    assert_no_leaks(on)
+    assert_no_leaks(off)
+
+
+def test_a_request_sharing_a_long_prefix_computes_only_its_unshared_tokens(ckpt):
+    sess = open_session(ckpt, block_size=4)
+    base = prompts((30,), seed=4)[0]
+    first = sess.add_request(base, greedy(4))
+    sess.step()
+    first_blocks = first.block_table
+    while not first.is_done:
+        sess.step()
+    before = sess.prefix_cache_stats
+    second = sess.add_request(base[:26] + [7, 8, 9, 10, 11], greedy(4))
+    step = sess.step()
+    # eligible blocks: (31 - 1) // 4 = 7; blocks 0..5 (positions 0..23) match request 0's prompt,
+    # block 6 holds positions 24..27, whose tokens differ from request 0's
+    assert row_of(step, second.id) == (list(range(24, 31)), 7)
+    assert second.num_cached_tokens == 24
+    assert second.block_table[:6] == first_blocks[:6]
+    after = sess.prefix_cache_stats
+    assert (after.queries - before.queries, after.hit_blocks - before.hit_blocks,
+            after.hit_tokens - before.hit_tokens, after.miss_blocks - before.miss_blocks) == (1, 6, 24, 1)
+    blocks = sess.blocks
+    assert [blocks[b].request_ids for b in first_blocks[:6]] == [(second.id,)] * 6
+    assert "6 blocks hit" in repr(sess) and "6 blocks hit" in repr(blocks)
+    while not second.is_done:
+        sess.step()
+    # the same tokens as computing it alone, with nothing cached
+    alone = open_session(ckpt, block_size=4, prefix_cache=False)
+    assert alone.generate([second.prompt_token_ids], greedy(4), progress=False)[0].token_ids == \
+        tuple(second.output_token_ids)
+    assert_no_leaks(sess)
+
+
+def test_equal_token_blocks_under_different_prefixes_do_not_match(ckpt):
+    sess = open_session(ckpt, block_size=4)
+    x, y, z = prompts((4, 4, 4), seed=5)
+    sess.generate([x + y + [1]], greedy(2), progress=False)
+    hits = sess.prefix_cache_stats.hit_blocks
+    other = sess.add_request(z + y + [1], greedy(2))           # block 1 holds y, after z
+    step = sess.step()
+    assert row_of(step, other.id) == (list(range(9)), 9)
+    assert sess.prefix_cache_stats.hit_blocks == hits
+    same = sess.add_request(x + y + [2], greedy(2))            # x then y: both blocks match
+    sess.run_until = None
+    while other.status != "decoding" or same.status == "waiting":
+        step = sess.step()
+    assert same.num_cached_tokens == 8
+    assert sess.prefix_cache_stats.hit_blocks == hits + 2
+
+
+@pytest.mark.parametrize("length, cached, computed", [
+    (8, 4, [4, 5, 6, 7]),       # a fully cached prompt on a block boundary: its last block is recomputed
+    (5, 4, [4]),                # at least the last token is computed, so the request gets logits
+    (4, 0, [0, 1, 2, 3]),       # one block: the block holding the last token is never shared
+])
+def test_the_last_prompt_token_is_always_computed_in_a_private_block(ckpt, length, cached, computed):
+    sess = open_session(ckpt, block_size=4)
+    base = prompts((8,), seed=6)[0]
+    first = sess.add_request(base, greedy(3))
+    sess.step()
+    first_blocks = first.block_table
+    logits_first = sess.last_step.logits.tensor[0].clone()
+    while not first.is_done:
+        sess.step()
+    again = sess.add_request(base[:length], greedy(3))
+    step = sess.step()
+    assert row_of(step, again.id) == (computed, len(computed))
+    assert again.num_cached_tokens == cached
+    assert step.logits_request_ids == [again.id]
+    last_block = again.block_table[(length - 1) // 4]
+    assert last_block not in first_blocks
+    assert sess.blocks[last_block].ref_count == 1
+    if length == 8:
+        # the recomputed logits of the last prompt token match the first run's
+        torch.testing.assert_close(step.logits.tensor[0], logits_first, atol=TOL, rtol=0)
+        assert again.output_token_ids[0] == first.output_token_ids[0]
+
+
+def test_a_block_hash_is_published_only_after_the_step_that_fills_it(ckpt, monkeypatch):
+    sess = open_session(ckpt, block_size=4, chunk_size=8)
+    seen = record_dispatch(sess, monkeypatch)
+    base = prompts((22,), seed=7)[0]
+    a = sess.add_request(base, greedy(2))
+    b = sess.add_request(base, greedy(2))
+    steps = [sess.step() for _ in range(3)]
+    # steps 0 and 1 compute a's positions 0..15 (the chunk budget is spent: b is not admitted);
+    # step 2 computes a's 16..21 and admits b with the 2 tokens left, after a's first 4 blocks
+    # were published; a's block 4 (positions 16..19) is being filled in that same step: b misses it
+    assert row_of(steps[2], a.id) == (list(range(16, 22)), 6)
+    assert row_of(steps[2], b.id) == ([16, 17], 2)
+    assert b.num_cached_tokens == 16
+    assert b.block_table[:4] == a.block_table[:4] and b.block_table[4] != a.block_table[4]
+    s = sess.prefix_cache_stats
+    assert (s.hit_blocks, s.miss_blocks) == (4, 1)
+    for (plan, blocks), step in zip(seen, steps):
+        for block in written_blocks(step, 4):
+            assert blocks[block].block_hash is None, f"step {step.index} writes published block {block}"
+            assert blocks[block].ref_count == 1
+    after = sess.blocks
+    assert [after[x].block_hash is not None for x in a.block_table] == [True] * 5 + [False]
+    while not (a.is_done and b.is_done):
+        sess.step()
+    assert_no_leaks(sess)
+
+
+def test_freed_prefixes_stay_reusable_until_needed_then_are_evicted_least_recent_first(ckpt):
+    sess = open_session(ckpt, block_size=4, num_blocks=6, max_model_len=24)
+    pa, pb, pc = prompts((8, 8, 16), seed=8)
+    a = sess.add_request(pa, greedy(1))
+    while not a.is_done:
+        sess.step()
+    b = sess.add_request(pb, greedy(1))
+    while not b.is_done:
+        sess.step()
+    blocks = sess.blocks
+    assert blocks.counts() == {"used": 0, "cached": 4, "free": 2}
+    assert {e.token_ids for e in blocks.with_state("cached")} == {tuple(pa[:4]), tuple(pa[4:]),
+                                                                 tuple(pb[:4]), tuple(pb[4:])}
+    # c needs 4 blocks: the 2 free ones, then the 2 least recently freed cached ones (a's)
+    c = sess.add_request(pc, greedy(1))
+    while not c.is_done:
+        sess.step()
+    cached = {e.token_ids for e in sess.blocks.with_state("cached")}
+    assert tuple(pb[:4]) in cached and tuple(pa[:4]) not in cached
+    hits = sess.prefix_cache_stats.hit_blocks
+    again_a = sess.add_request(pa, greedy(1))
+    sess.step()
+    assert again_a.num_cached_tokens == 0 and sess.prefix_cache_stats.hit_blocks == hits
+    again_b = sess.add_request(pb, greedy(1))
+    sess.step()
+    assert again_b.num_cached_tokens == 4 and sess.prefix_cache_stats.hit_blocks == hits + 1
+    assert again_b.output_token_ids == b.output_token_ids
+    assert_no_leaks(sess)
+
+
+def test_a_block_shared_by_two_running_requests_is_never_written(ckpt, monkeypatch):
+    sess = open_session(ckpt, block_size=4)
+    seen = record_dispatch(sess, monkeypatch)
+    base = prompts((16,), seed=9)[0]
+    a = sess.add_request(base, greedy(8))
+    sess.step()
+    sess.step()
+    b = sess.add_request(base, greedy(8))         # shares a's blocks 0..2, recomputes block 3
+    sess.step()
+    shared = [x for x in a.block_table if x in b.block_table]
+    assert len(shared) == 3
+    assert all(sess.blocks[x].ref_count == 2 for x in shared)
+    kv = sess._engine.kv_cache
+    keys = [kv.layers()[0][0][shared].clone()] if hasattr(kv, "layers") else []
+    steps = []
+    while not (a.is_done and b.is_done):
+        steps.append(sess.step())
+    for (plan, blocks), step in zip(seen, [None, None] + [None] + steps):
+        if step is None:
+            continue
+        for block in written_blocks(step, 4):
+            assert blocks[block].ref_count == 1, f"step {step.index} writes shared block {block}"
+    for plan, blocks in seen:
+        for row in plan.rows:
+            first_written = row.start // 4
+            table = blocks.of_request(row.request.id)
+            assert all(e.ref_count == 1 for e in table if e.block_id in
+                       row.request.block_table[first_written:]) if not row.request.is_done else True
+    if keys:
+        assert torch.equal(kv.layers()[0][0][shared], keys[0])
+    assert_no_leaks(sess)
