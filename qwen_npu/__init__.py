@@ -1,16 +1,27 @@
 """qwen_npu: step through Qwen3 serving with a paged KV cache, and look at every piece of state."""
 # device first: where torch itself cannot load (torch-npu without CANN) it says how to fix that
 from . import device  # noqa: F401  isort: skip
-from .cache.slot_check import check_slot_mapping
+from .cache.slot_check import SlotCollisionWarning, check_slot_mapping
+from .engine.engine import StreamHealthWarning
+from .engine.faults import FaultEmulationWarning
 from .engine.outputs import DeviceLogits, StepResult
 from .engine.request import Completion, Request, SamplingParams
 from .errors import (CheckpointError, DeviceError, InvalidRequestError, OutOfBlocksError, QwenNpuError,
                      SlotCollisionError, StaleOutputError)
+from .research.compare import compare
 from .session import Session
+from .dump import Dump, load_dump  # noqa: E402  isort: skip
+from .engine.logprobs import TokenLogprob  # noqa: E402  isort: skip
+from .env import EnvReport, env_report  # noqa: E402  isort: skip
+from .memory import MemoryReport  # noqa: E402  isort: skip
+from .scoring import ScoreResult  # noqa: E402  isort: skip
+from .streaming import StreamEvent  # noqa: E402  isort: skip
 
 __all__ = [
     "Session", "SamplingParams", "Request", "Completion", "StepResult", "DeviceLogits",
-    "check_slot_mapping",
+    "check_slot_mapping", "SlotCollisionWarning", "StreamHealthWarning", "FaultEmulationWarning",
     "QwenNpuError", "CheckpointError", "DeviceError", "InvalidRequestError", "OutOfBlocksError",
     "SlotCollisionError", "StaleOutputError",
+    "compare",
+    "load_dump", "Dump", "env_report", "EnvReport", "TokenLogprob", "StreamEvent", "ScoreResult", "MemoryReport",
 ]

@@ -39,9 +39,10 @@ def apply_chat_template(tokenizer, messages, *, add_generation_prompt: bool = Tr
     """Render ``messages`` with ``tokenizer.chat_template``; InvalidRequestError when the
     checkpoint has none or the messages are malformed (``where`` names the checkpoint)."""
     _check_messages(messages)
-    template = tokenizer.chat_template if tokenizer is not None else None
+    template = find_template(tokenizer)
     if not template:
-        what = "no tokenizer" if tokenizer is None else "no chat_template in tokenizer_config.json"
+        what = ("no tokenizer" if tokenizer is None else
+                "no chat_template in tokenizer_config.json and no chat_template.jinja")
         raise InvalidRequestError(f"{where or 'this checkpoint'}: {what}, so chat messages cannot be used; "
                                   f"pass the prompt as text or token ids instead")
     if isinstance(template, list):        # a list of named templates: take "default"
@@ -56,6 +57,17 @@ def apply_chat_template(tokenizer, messages, *, add_generation_prompt: bool = Tr
         return _environment().from_string(template).render(**variables)
     except (_TemplateError, jinja2.TemplateError) as e:
         raise InvalidRequestError(f"{where or 'chat template'}: the chat template refused the messages: {e}") from None
+
+
+def find_template(tokenizer) -> str | list | None:
+    """The checkpoint's chat template: ``tokenizer_config.json`` "chat_template", else the
+    ``chat_template.jinja`` file newer checkpoints ship; None when neither exists."""
+    if tokenizer is None:
+        return None
+    if tokenizer.chat_template:
+        return tokenizer.chat_template
+    file = tokenizer.path / "chat_template.jinja"
+    return file.read_text() if file.is_file() else None
 
 
 def _check_messages(messages) -> None:

@@ -127,6 +127,7 @@ class SessionConfig:
     slot_check: str = "raise"
     decode_padding: str = "runtime"
     kernels: str = "reference"
+    deterministic: bool = False     # one forward per token: results independent of batch and chunking
 
     @property
     def max_blocks_per_seq(self) -> int:

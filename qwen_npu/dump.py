@@ -24,7 +24,12 @@ REQUIRED = ("kind", "slot_mapping", "block_tables")
 
 def step_to_dict(step, *, logits_topk: int = 0) -> dict:
     """A StepResult as plain JSON types. ``logits_topk=k`` adds the k largest logits per logits
-    row while the step's device logits are still live (k values and ids per row cross)."""
+    row while the step's device logits are still live (k values and ids per row cross, and are
+    counted in the step's transfers before they are recorded)."""
+    topk = None
+    if logits_topk and step.logits is not None and not step.logits.is_stale:
+        values, ids = step.logits.topk(min(int(logits_topk), step.logits.shape[1]))
+        topk = {"ids": ids.tolist(), "values": values.tolist()}
     d = {
         "kind": step.kind, "index": step.index, "batch_size": step.batch_size, "num_active": step.num_active,
         "request_ids": list(step.request_ids), "input_ids": _ints(step.input_ids),
@@ -36,9 +41,12 @@ def step_to_dict(step, *, logits_topk: int = 0) -> dict:
         "transfers": dict(step.transfers), "timings": {k: float(v) for k, v in step.timings.items()},
         "slot_problems": [str(p) for p in step.slot_problems],
     }
-    if logits_topk and step.logits is not None and not step.logits.is_stale:
-        values, ids = step.logits.topk(min(int(logits_topk), step.logits.shape[1]))
-        d["logits_topk"] = {"ids": ids.tolist(), "values": values.tolist()}
+    if getattr(step, "block_size", None):
+        d["block_size"] = int(step.block_size)
+    if getattr(step, "cache_usage", None):
+        d["cache_usage"] = dict(step.cache_usage)
+    if topk is not None:
+        d["logits_topk"] = topk
     return d
 
 
@@ -69,8 +77,8 @@ def dump_session(sess, path, steps=None, *, logits_topk: int = 0) -> Path:
         chosen = []
         for s in steps:
             if isinstance(s, int) and s not in by_index:
-                raise InvalidRequestError(f"dump: step {s} is not in sess.history (kept: "
-                                          f"{history[0].index if history else '-'}..{history[-1].index if history else '-'})")
+                kept = f"{history[0].index}..{history[-1].index}" if history else "none"
+                raise InvalidRequestError(f"dump: step {s} is not in sess.history (steps kept: {kept})")
             chosen.append(by_index[s] if isinstance(s, int) else s)
     return write_dump(path, [step_to_dict(s, logits_topk=logits_topk) for s in chosen], session_meta(sess))
 

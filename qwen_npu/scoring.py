@@ -21,6 +21,7 @@ import torch
 
 from .engine.engine import check_not_pending
 from .engine.request import DECODING, PREFILLING, WAITING, Request, SamplingParams
+from .engine.undo import SchedulingUndo
 from .errors import InvalidRequestError, OutOfBlocksError
 
 
@@ -108,7 +109,7 @@ def _check_room(sess, num_tokens: int) -> None:
 
 def _decode_alone(sess, req: Request):
     """A decode step that dispatches ``req`` only (its block was reserved by ``_check_room``)."""
-    t0 = time.perf_counter()
+    t0, undo = time.perf_counter(), SchedulingUndo(sess._engine.manager, [req])
     if not sess._engine.manager.allocate(req.id, req.num_tokens):
         raise OutOfBlocksError(f"score: no free block for request {req.id}")   # cannot happen after _check_room
-    return sess._run("decode", [(req, 1)], t0)
+    return sess._run("decode", [(req, 1)], t0, undo)

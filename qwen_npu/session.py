@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import chat
 from . import device as devices
 from .config import ModelConfig, SessionConfig
 from .engine import sampler
@@ -25,6 +26,7 @@ from .engine.outputs import StepResult
 from .engine.plan import build_plan
 from .engine.request import ABORTED, DECODING, PREFILLING, WAITING, Completion, Request, SamplingParams
 from .engine.scheduler import Scheduler
+from .engine.undo import SchedulingUndo
 from .errors import InvalidRequestError, OutOfBlocksError
 from .kernels import get_kernels
 from .model.loader import load_checkpoint
@@ -39,13 +41,13 @@ class Session:
     """One model, its paged KV cache and its requests. Create with ``Session.from_pretrained``."""
 
     def __init__(self, model: Qwen3Model, config: SessionConfig, *, path: Path | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, engine: Engine | None = None):
         self.config = config
         self.model_config: ModelConfig = model.config
         self.path = path
         self.tokenizer = tokenizer
         self.model = model
-        self._engine = Engine(model, config)
+        self._engine = engine if engine is not None else Engine(model, config)   # shared by forks
         self._scheduler = Scheduler(self._engine.manager, max_batch=config.max_batch,
                                     chunk_size=config.chunk_size)
         self._init_state()
@@ -53,7 +55,6 @@ class Session:
     def _init_state(self) -> None:
         self._requests: dict[int, Request] = {}
         self._generators: dict[int, torch.Generator] = {}
-        self._next_id = 0
         self._step_index = 0
         self._seed_rng = random.Random(0)
         self.history: collections.deque[StepResult] = collections.deque(maxlen=HISTORY)
@@ -62,9 +63,14 @@ class Session:
     def from_pretrained(cls, path, *, device="auto", dtype="auto", max_batch=16, block_size=None,
                         num_blocks=None, max_model_len=None, chunk_size=512, prefix_cache=True,
                         device_outputs=None, slot_check="raise", decode_padding="runtime",
-                        kernels="auto") -> "Session":
+                        kernels="auto", kv_memory=None, deterministic=False) -> "Session":
         """Load a Hugging Face Qwen3 checkpoint folder into a new Session (see the API docs)."""
+        from . import memory
         path = Path(path)
+        if kv_memory is not None:
+            if num_blocks is not None:
+                raise InvalidRequestError("Session.from_pretrained: give num_blocks or kv_memory, not both")
+            memory.parse_memory(kv_memory)
         dev = devices.resolve_device(device)
         _check_choice("slot_check", slot_check, ("raise", "warn", "off"))
         _check_choice("decode_padding", decode_padding, ("runtime", "replicate"))
@@ -80,21 +86,28 @@ class Session:
         load_dtype = None if dtype == "auto" else dtype
         _, weights = load_checkpoint(path, dtype=load_dtype, device=dev)
         model = Qwen3Model(mc, weights, get_kernels(kernel_name), max_positions=max_model_len)
+        if kv_memory is not None:
+            num_blocks = memory.blocks_for_model(kv_memory, mc, model.dtype, dev, block_size)
         if num_blocks is None:
             num_blocks = _default_num_blocks(mc, model.dtype, dev, max_batch, max_model_len, block_size)
         config = SessionConfig(
             device=str(dev), dtype=str(model.dtype).removeprefix("torch."), max_batch=max_batch,
             block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=chunk_size,
             prefix_cache=bool(prefix_cache), device_outputs=bool(device_outputs), slot_check=slot_check,
-            decode_padding=decode_padding, kernels=kernel_name)
+            decode_padding=decode_padding, kernels=kernel_name, deterministic=bool(deterministic))
         return cls(model, config, path=path, tokenizer=Tokenizer.load(path))
 
     # ---- requests -----------------------------------------------------------------------------------
-    def add_request(self, prompt, sampling: SamplingParams | None = None) -> Request:
-        """Queue a prompt (text or token ids); returns the live Request."""
-        return self._add(*self._prepare(prompt, sampling))
+    def add_request(self, prompt, sampling: SamplingParams | None = None, *, enable_thinking: bool | None = None,
+                    chat_template_kwargs: dict | None = None) -> Request:
+        """Queue a prompt (text, token ids or chat messages); returns the live Request.
 
-    def _prepare(self, prompt, sampling) -> tuple[list[int], str | None, SamplingParams]:
+        Chat messages are rendered with the checkpoint's chat template; ``enable_thinking`` and
+        ``chat_template_kwargs`` are passed to it as template variables."""
+        chat_kwargs = chat.template_kwargs(enable_thinking, chat_template_kwargs)
+        return self._add(*self._prepare(prompt, sampling, chat_kwargs))
+
+    def _prepare(self, prompt, sampling, chat_kwargs: dict | None = None) -> tuple[list[int], str | None, SamplingParams]:
         """Validate one prompt without changing any state."""
         if sampling is None:
             sampling = SamplingParams()
@@ -103,7 +116,10 @@ class Session:
         elif not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be a SamplingParams, a dict or None, not {type(sampling).__name__}")
         sampling.validate()
+        sampling.validate_for(self.model_config.vocab_size, has_tokenizer=self.tokenizer is not None)
         text = None
+        if chat.is_messages(prompt):
+            prompt = chat.apply_chat_template(self.tokenizer, prompt, where=str(self.path), **(chat_kwargs or {}))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(f"{self.path}: this checkpoint has no tokenizer.json, so prompts "
@@ -112,9 +128,17 @@ class Session:
         elif isinstance(prompt, torch.Tensor):
             prompt = prompt.flatten().tolist()
         try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
+            items = list(prompt)
+        except TypeError:
             raise InvalidRequestError(f"prompt must be a str or a list of int token ids, not {type(prompt).__name__}") from None
+        ids = []
+        for i, t in enumerate(items):          # ints only: int(1.5) or int(True) would pass silently
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                ids.append(t.__index__())
+            except (AttributeError, TypeError, RuntimeError):
+                raise InvalidRequestError(f"prompt token {i} is {t!r} ({type(t).__name__}); token ids must be ints") from None
         if not ids:
             raise InvalidRequestError("prompt is empty: a request needs at least one token")
         vocab = self.model_config.vocab_size
@@ -127,16 +151,16 @@ class Session:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} exceeds "
                 f"max_model_len={self.config.max_model_len}")
-        need = -(-total // self.config.block_size)
+        need = -(-(total - 1) // self.config.block_size)    # the last sampled token is never computed
         if need > self.config.num_blocks:
             raise OutOfBlocksError(
-                f"a request of up to {total} tokens needs {need} blocks of {self.config.block_size} but the "
-                f"cache has only {self.config.num_blocks}; raise num_blocks or lower max_new_tokens")
+                f"a request of up to {total} tokens computes {total - 1} and needs {need} blocks of "
+                f"{self.config.block_size}, but the cache has only {self.config.num_blocks}; raise num_blocks "
+                f"or lower max_new_tokens")
         return ids, text, sampling
 
     def _add(self, ids: list[int], text: str | None, sampling: SamplingParams) -> Request:
-        rid = self._next_id
-        self._next_id += 1
+        rid = self._engine.new_request_id()
         eos = () if sampling.ignore_eos else self.model_config.eos_token_ids
         stops = frozenset(sampling.stop_token_ids if sampling.stop_token_ids is not None else eos)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
@@ -167,7 +191,12 @@ class Session:
         self._engine.finish(req, "abort", ABORTED)
 
     def reset(self) -> None:
-        """Forget every request and step; empty the cache (back to the state after loading)."""
+        """Forget every request and step; empty the cache (back to the state after loading).
+        A forked Session (sharing its cache) only aborts its own requests and forgets its steps."""
+        if self._engine.branches is not None:
+            from .research.fork import reset_branch
+            if reset_branch(self):
+                return
         self._engine.reset()
         self._init_state()
 
@@ -179,7 +208,7 @@ class Session:
     def prefill(self, requests=None) -> StepResult:
         """One prefill step over waiting/prefilling requests (default: all, in arrival order)."""
         check_not_pending(self.last_step, "prefill")
-        t0 = time.perf_counter()
+        t0, undo = time.perf_counter(), SchedulingUndo(self._engine.manager, self.requests)
         if requests is None:
             cands = [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)]
         else:
@@ -190,26 +219,31 @@ class Session:
         rows = self._scheduler.prefill_rows(self.requests, cands)
         if not rows:
             raise InvalidRequestError(self._nothing_to_run("prefill"))
-        return self._run("prefill", rows, t0)
+        return self._run("prefill", rows, t0, undo)
 
     def decode_step(self) -> StepResult:
         """One runtime-batch decode step over every decoding request."""
         check_not_pending(self.last_step, "decode")
-        t0 = time.perf_counter()
+        t0, undo = time.perf_counter(), SchedulingUndo(self._engine.manager, self.requests)
         if not any(r.status == DECODING for r in self._requests.values()):
             raise InvalidRequestError(self._nothing_to_run("decode"))
         rows = self._scheduler.decode_rows(self.requests)
         if not rows:
             raise InvalidRequestError(self._nothing_to_run("decode"))
-        return self._run("decode", [(r, 1) for r in rows], t0)
+        return self._run("decode", [(r, 1) for r in rows], t0, undo)
 
-    def _run(self, kind: str, rows, t0: float) -> StepResult:
+    def _run(self, kind: str, rows, t0: float, undo: SchedulingUndo) -> StepResult:
+        """Plan, check and dispatch; a step refused before its forward returns takes back its scheduling."""
         cfg = self.config
         pad = cfg.max_batch if kind == "decode" and cfg.decode_padding == "replicate" else None
         tables = {r.id: self._engine.manager.block_table(r.id) for r, _ in rows}
         plan = build_plan(kind, self._step_index, rows, tables, cfg.block_size, pad_to=pad)
         timings = {"schedule": time.perf_counter() - t0}
-        step = self._engine.run(plan, self._requests, timings)
+        try:
+            step = self._engine.run(plan, self._requests, timings)
+        except BaseException:
+            undo.restore()
+            raise
         self._step_index += 1
         self.history.append(step)
         return step
@@ -259,30 +293,25 @@ class Session:
     def step(self) -> StepResult:
         """Schedule, run and sample one step: prefill when a prompt can make progress, else decode."""
         check_not_pending(self.last_step, "step")
-        t0 = time.perf_counter()
+        t0, undo = time.perf_counter(), SchedulingUndo(self._engine.manager, self.requests)
         rows = self._scheduler.prefill_rows(
             self.requests, [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)])
         if rows:
-            step = self._run("prefill", rows, t0)
+            step = self._run("prefill", rows, t0, undo)
         else:
             drows = self._scheduler.decode_rows(self.requests)
             if not drows:
                 raise InvalidRequestError(self._nothing_to_run("step"))
-            step = self._run("decode", [(r, 1) for r in drows], t0)
+            step = self._run("decode", [(r, 1) for r in drows], t0, undo)
         if step.logits is not None:
             self.sample(step)
         return step
 
-    def generate(self, prompts, sampling=None, progress=None) -> list[Completion]:
+    def generate(self, prompts, sampling=None, progress=None, *, enable_thinking: bool | None = None,
+                 chat_template_kwargs: dict | None = None) -> list[Completion]:
         """Run ``prompts`` to completion with continuous batching; results in input order."""
-        if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        if len(samplings) != len(prompts):
-            raise InvalidRequestError(f"{len(prompts)} prompts but {len(samplings)} sampling params")
-        check_not_pending(self.last_step, "generate")
-        prepared = [self._prepare(p, s) for p, s in zip(prompts, samplings)]
-        reqs = [self._add(*p) for p in prepared]
+        chat_kwargs = chat.template_kwargs(enable_thinking, chat_template_kwargs)
+        reqs = self._add_batch(prompts, sampling, "generate", chat_kwargs)
         bar = _progress(progress, sum(r.sampling.max_new_tokens for r in reqs))
         done_tokens = 0
         while not all(r.is_done for r in reqs):
@@ -294,6 +323,55 @@ class Session:
         if bar is not None:
             bar.close()
         return [Completion.of(r) for r in reqs]
+
+    def _add_batch(self, prompts, sampling, action: str, chat_kwargs: dict) -> list[Request]:
+        """Validate every prompt first, then add them all (one prompt or a list; one sampling or one each)."""
+        single = isinstance(prompts, (str, torch.Tensor)) or chat.is_messages(prompts)
+        if single or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(samplings) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(samplings)} sampling params")
+        check_not_pending(self.last_step, action)
+        prepared = [self._prepare(p, s, chat_kwargs) for p, s in zip(prompts, samplings)]
+        return [self._add(*p) for p in prepared]
+
+    def stream(self, prompts, sampling=None, *, enable_thinking: bool | None = None,
+               chat_template_kwargs: dict | None = None):
+        """Like ``generate``, but yields StreamEvents (request, text increment) as tokens arrive."""
+        from .streaming import stream
+        return stream(self, prompts, sampling, chat.template_kwargs(enable_thinking, chat_template_kwargs))
+
+    def score(self, prompt, continuation, *, include_prompt: bool = False):
+        """Teacher-force ``continuation`` after ``prompt``; per-token log-probabilities (ScoreResult)."""
+        from .scoring import score
+        return score(self, prompt, continuation, include_prompt=include_prompt)
+
+    # ---- dumps, memory, lifetime ------------------------------------------------------------------------
+    def dump(self, path, steps=None, *, logits_topk: int = 0):
+        """Write ``steps`` (default: ``sess.history``) to a JSON dump (docs/dump-format.md); returns the path."""
+        from .dump import dump_session
+        return dump_session(self, path, steps, logits_topk=logits_topk)
+
+    def memory(self):
+        """Where the memory goes now: weights, KV cache (used / cached / free), buffers (MemoryReport)."""
+        from .memory import memory_report
+        return memory_report(self)
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_closed", False)
+
+    def close(self) -> None:
+        """Free the model weights, KV cache and buffers; any later use raises "session is closed"."""
+        from .memory import close_session
+        close_session(self)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- inspection -------------------------------------------------------------------------------------
     @property
@@ -318,10 +396,85 @@ class Session:
         from .inspect.snapshot import take_session
         return take_session(self)
 
+    # ---- KV slots: view, invariant sweep, audit, fault emulation ------------------------------------------
+    @property
+    def kv(self):
+        """The KV cache: live ``key(layer)``/``value(layer)``, ``read(request, position, layer)``, ``slot(s)``."""
+        from .inspect.kv import KVView
+        return KVView(self._engine, self._requests)
+
+    def check(self):
+        """Sweep every cache invariant (blocks, tables, live slots, ledger collisions, non-finite K/V)."""
+        from .inspect.check import check_session
+        from .research.fork import visible_requests
+        return check_session(self._engine, visible_requests(self), list(self.history))
+
+    def audit(self, request, *, tol: float | None = None):
+        """Recompute ``request``'s K/V densely from its tokens and compare with its slots, per layer."""
+        from .inspect.audit import audit_kv
+        kv = self.kv
+        req = kv._request(request)
+        n = req.num_computed_tokens
+        if n:
+            kv.slot_of(req, n - 1)                # refuses requests that hold no computed tokens
+        else:
+            raise InvalidRequestError(f"request {req.id} is {req.status} with no computed tokens: nothing to audit")
+        return audit_kv(self.model, self._engine.kv_cache, req.id, req.all_token_ids[:n],
+                        self._engine.manager.block_table(req.id), tol)
+
+    def emulate_faults(self, model: str | None):
+        """Turn on an EMULATION of what racing writes to one slot may leave on hardware, or None for off.
+
+        ``"zero_on_collision"`` / ``"nan_on_collision"``: after a step that wrote a slot from more than
+        one row, that slot's K and V become 0 / NaN in every layer. On until changed; used in a ``with``
+        block, the previous setting returns on exit. See ``qwen_npu.engine.faults``.
+        """
+        from .engine.faults import set_fault_model
+        return set_fault_model(self._engine, model)
+
+    @property
+    def fault_model(self) -> str | None:
+        """The EMULATED fault model in force, or None (the default)."""
+        return self._engine.faults.model if self._engine.faults is not None else None
+
+    # ---- research hooks (qwen_npu/research) ------------------------------------------------------------
+    def capture_names(self) -> list[str]:
+        """Every activation name ``capture`` and ``intervene`` accept, in forward order."""
+        from .model.qwen3 import capture_names
+        return capture_names(self.model_config.num_hidden_layers)
+
+    def capture(self, names="*", *, requests=None):
+        """``with sess.capture(names) as cap:`` records activations (names or globs) of every step
+        run inside the block, per step and request row. See ``qwen_npu.research.capture``."""
+        from .research.capture import Capture
+        return Capture(self, names, requests=requests)
+
+    def intervene(self, name, fn, *, requests=None, positions=None):
+        """``with sess.intervene(name, fn):`` edits an activation of chosen rows in every step run
+        inside the block. See ``qwen_npu.research.intervene``."""
+        from .research.intervene import Intervention
+        return Intervention(self, name, fn, requests=requests, positions=positions)
+
+    def attention(self, request, layer: int, head=None, positions=None):
+        """Softmax attention probabilities of ``request`` at ``layer`` over its cached keys.
+        Changes nothing. See ``qwen_npu.research.attention``."""
+        from .research.attention import attention_pattern
+        return attention_pattern(self, request, layer, head, positions)
+
+    def fork(self, sampling=None) -> "Session":
+        """A new Session that branches from this one, sharing its KV blocks copy-on-write.
+        See ``qwen_npu.research.fork``."""
+        from .research.fork import fork_session
+        return fork_session(self, sampling)
+
     def __repr__(self) -> str:
+        if self.closed:
+            return f"Session({self.path.name if self.path else 'model'}: closed)"
         return repr(self.snapshot())
 
     def _repr_html_(self) -> str:
+        if self.closed:
+            return f"<div>{repr(self)}</div>"
         return self.snapshot()._repr_html_()
 
 

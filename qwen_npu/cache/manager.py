@@ -216,6 +216,19 @@ class KVCacheManager:
         if state is not None:
             self._pool.release(reversed(state.table))
 
+    def truncate(self, request_id: int, num_blocks: int) -> None:
+        """Release the table's blocks past its first ``num_blocks``, tail first (undo an ``allocate``).
+
+        Refuses, changing nothing, to drop a block that holds computed tokens.
+        """
+        state = self._state(request_id, "truncate")
+        if _blocks_for(state.num_computed, self._block_size) > num_blocks:
+            raise InvalidRequestError(f"cannot truncate request {request_id} to {num_blocks} blocks: its "
+                                      f"{state.num_computed} computed tokens need more")
+        tail = state.table[num_blocks:]
+        del state.table[num_blocks:]
+        self._pool.release(reversed(tail))
+
     def fork(self, parent_id: int, child_id: int) -> list[tuple[int, int]]:
         """Give ``child_id`` the parent's computed K/V; returns the (src, dst) block copies to perform.
 

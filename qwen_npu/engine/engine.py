@@ -27,6 +27,7 @@ from .faults import FaultEmulator
 from .outputs import DeviceLogits, StepResult
 from .plan import StepPlan
 from .request import DECODING, FINISHED, Request
+from .deterministic import TokenByTokenRunner
 from .runner import ModelRunner
 
 HEALTH = {1: "non-finite logits", 2: "all-zero logits", 3: "all-equal logits"}
@@ -50,8 +51,13 @@ class Engine:
             max_batch=config.max_batch, max_tokens=min(config.chunk_size, config.max_batch * config.max_model_len),
             max_blocks=config.max_blocks_per_seq, vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
             hidden_dtype=model.dtype, device=device)
-        self.runner = ModelRunner(model, self.kv_cache, self.buffers)
+        runner = TokenByTokenRunner if config.deterministic else ModelRunner
+        self.runner = runner(model, self.kv_cache, self.buffers)
+        # None (the forward pays one flag check per hook point), a model Hook, or a step hook: an
+        # object whose ``begin_step(plan)`` returns the Hook for that step (qwen_npu/research/hooks.py)
         self.hook: Hook | None = None
+        self.branches = None       # the Sessions sharing this engine after a fork (research/fork.py)
+        self.next_request_id = 0   # request ids are unique per engine, so forked Sessions never clash
         self.faults: FaultEmulator | None = None   # EMULATED hardware faults; off unless asked for
 
     # ---- running a step ---------------------------------------------------------------------------
@@ -61,10 +67,13 @@ class Engine:
         problems = []
         if self.config.slot_check != "off":
             t0 = time.perf_counter()
-            problems = self.check_plan(plan, requests)
+            problems = self.check_plan(plan, requests if self.branches is None else self.branches.requests())
             timings["check"] = time.perf_counter() - t0
             raise_or_warn(problems, self.config.slot_check, stacklevel=4)
-        logits_buf, hidden_buf, out_rows = self.runner.dispatch(plan, timings, transfers, hook=self.hook)
+        hook = self.hook
+        if hook is not None and hasattr(hook, "begin_step"):
+            hook = hook.begin_step(plan)
+        logits_buf, hidden_buf, out_rows = self.runner.dispatch(plan, timings, transfers, hook=hook)
         t0 = time.perf_counter()
         for row in plan.rows[:plan.num_active]:
             req = row.request
@@ -182,7 +191,13 @@ class Engine:
         if self.manager.has(req.id):
             self.manager.free(req.id)
 
+    def new_request_id(self) -> int:
+        rid = self.next_request_id
+        self.next_request_id += 1
+        return rid
+
     def reset(self) -> None:
+        self.next_request_id = 0
         self.manager.reset()
         self.ledger.reset()
         self.kv_cache.zero_()

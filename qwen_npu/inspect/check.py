@@ -219,6 +219,7 @@ def _slots(manager, ledger, requests) -> tuple[list[str], dict[int, tuple[int, i
         table = manager.block_table(req.id)
         n = min(req.num_computed_tokens, len(table) * bs)
         never: list[int] = []
+        others: dict[int, list[int]] = {}                 # another writer (a prefix sharer) -> positions
         for p in range(n):
             slot = table[p // bs] * bs + p % bs
             live.setdefault(slot, (req.id, p))
@@ -230,19 +231,27 @@ def _slots(manager, ledger, requests) -> tuple[list[str], dict[int, tuple[int, i
                            f"{slot % bs}), but the slot was last written by request {last[0]} at position "
                            f"{last[1]} in step {last[2]}: request {req.id} now reads another token's K/V")
             elif last[0] != req.id:
-                writer = requests.get(last[0])
-                k = None if writer is None else _first_difference(writer.all_token_ids, req.all_token_ids, p + 1)
-                if k is not None:
-                    out.append(f"request {req.id} position {p} reads slot {slot}, last written by request "
-                               f"{last[0]} at the same position in step {last[2]}, but their tokens differ "
-                               f"at position {k}")
+                others.setdefault(last[0], []).append(p)
+        for wid, positions in others.items():            # same position: the tokens before it must agree
+            writer = requests.get(wid)
+            k = None if writer is None else _first_difference(writer.all_token_ids, req.all_token_ids,
+                                                              positions[-1] + 1)
+            bad = [p for p in positions if k is not None and p >= k]
+            if bad:
+                out.append(f"request {req.id} position{'s' * (len(bad) > 1)} {runs(bad)} read slots last "
+                           f"written by request {wid} at the same positions, but their tokens differ at "
+                           f"position {k}: request {req.id} reads K/V computed for other tokens")
         if never:
-            out.append(f"request {req.id} positions {runs(never)} are computed, but the ledger has no write to "
-                       f"their slots")
+            one = len(never) == 1
+            out.append(f"request {req.id} position{'' if one else 's'} {runs(never)} {'is' if one else 'are'} "
+                       f"computed, but the ledger has no write to {'its slot' if one else 'their slots'}")
     return out, live
 
 
 def _first_difference(a, b, n) -> int | None:
+    """The first k < n where token lists ``a`` and ``b`` differ (or one ends), else None."""
+    if len(a) >= n and len(b) >= n and a[:n] == b[:n]:
+        return None
     for k in range(n):
         if k >= len(a) or k >= len(b) or a[k] != b[k]:
             return k

@@ -78,7 +78,7 @@ def legend(items: Iterable[tuple[str, str, str]]) -> str:
     """items: (label, background, border) -> one line of swatches."""
     parts = [f'<span style="margin-right:10px;white-space:nowrap">'
              f'{cell("", bg=bg, border=border, width=14)} {esc(label)}</span>' for label, bg, border in items]
-    return f'<div style="margin-top:4px;color:{MUTED}">{"".join(parts)}</div>'
+    return f'<div style="margin-top:4px;color:{MUTED}">{" ".join(parts)}</div>'
 
 
 def owner_legend(request_ids: Iterable[int], *, shared=False, cached=False, free=False, padding=False,
@@ -115,8 +115,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, raw: bool = 
 
 def fields(pairs: Iterable[tuple[str, str]]) -> str:
     """``name value`` pairs on one wrapped line; values are HTML."""
-    return "".join(f'<span style="margin-right:12px;white-space:nowrap"><span style="color:{MUTED}">'
-                   f"{esc(k)}</span> {v}</span>" for k, v in pairs)
+    return " ".join(f'<span style="margin-right:8px;white-space:nowrap"><span style="color:{MUTED}">'
+                    f"{esc(k)}</span> {v}</span>" for k, v in pairs)
 
 
 def stacked_bar(parts: Sequence[tuple[str, int, str]], total: int, *, width: int = 320) -> str:

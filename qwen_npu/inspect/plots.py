@@ -1,5 +1,6 @@
-"""Matplotlib figures of a session's history and cache. Each function returns a new Figure
-(it never calls ``plt.show``); close it with ``matplotlib.pyplot.close(fig)`` when done.
+"""Matplotlib figures of a session's history and cache. Each function returns a new Figure and
+never calls ``plt.show``; the figure is not registered with pyplot (no global state, nothing left
+open), a notebook shows it as PNG, and ``fig.savefig(path)`` writes it.
 
     plot_cache_occupancy(sess)      used / cached / free blocks after every step (stacked areas)
     plot_rows_per_step(sess)        active and padding rows per step, with the max_batch line
@@ -11,7 +12,11 @@
 """
 from __future__ import annotations
 
+import io
+
 import torch
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from ..errors import InvalidRequestError
 from . import html as h
@@ -20,11 +25,23 @@ PHASES = ("schedule", "check", "prepare", "forward", "bookkeeping", "sample")
 STATE_COLORS = {"used": "#0969da", "cached": h.CACHED_BG, "free": "#f6f8fa"}
 
 
+class NotebookFigure(Figure):
+    """A Figure outside pyplot's registry that a notebook shows as PNG without any magic."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100)
+        return buf.getvalue()
+
+
+def _plain(text: str) -> str:
+    """A token's text for an axis label: repr, with non-ASCII escaped (plot fonts lack most scripts)."""
+    return ascii(text)
+
+
 def _figure(width: float = 7.0, height: float = 3.0, ncols: int = 1):
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(width, height), layout="constrained")
-    axes = fig.subplots(1, ncols)
-    return fig, axes
+    fig = NotebookFigure(figsize=(width, height), layout="constrained")
+    return fig, fig.subplots(1, ncols)
 
 
 def _steps(history) -> list:
@@ -63,7 +80,6 @@ def plot_rows_per_step(history, max_batch: int | None = None):
     active = [s.num_active for s in steps]
     padding = [s.batch_size - s.num_active for s in steps]
     colors = ["#0969da" if s.kind == "prefill" else "#1a7f37" for s in steps]
-    from matplotlib.patches import Patch
     ax.bar(x, active, color=colors)
     handles = [Patch(color="#0969da", label="prefill rows"), Patch(color="#1a7f37", label="decode rows")]
     if any(padding):
@@ -108,7 +124,7 @@ def plot_topk(step, request_id: int | None = None, k: int = 10, decode=None):
         raise InvalidRequestError(f"request {rid} has no logits row in step {step.index} "
                                   f"(rows: {list(t.request_ids)})")
     r = t.request_ids.index(rid)
-    labels = [f"{tok} {t.texts[r][j]!r}" if t.texts else str(tok) for j, tok in enumerate(t.token_ids[r])]
+    labels = [f"{tok} {_plain(t.texts[r][j])}" if t.texts else str(tok) for j, tok in enumerate(t.token_ids[r])]
     fig, ax = _figure(6.0, 0.6 + 0.28 * len(labels))
     ax.barh(range(len(labels)), t.probs[r], color=h.owner_color(rid))
     ax.set_yticks(range(len(labels)), labels, fontsize=8)

@@ -127,6 +127,7 @@ class SessionSnapshot:
     num_steps: int
     last_step: StepSnapshot | None
     num_collisions: int = 0
+    faults: str | None = None                   # the EMULATED fault model and faults applied, when on
 
     def by_status(self) -> dict[str, int]:
         return dict(collections.Counter(r.status for r in self.requests))
@@ -238,10 +239,12 @@ def take_session(sess) -> SessionSnapshot:
                 ("device_outputs", "on" if c.device_outputs else "off"))
     last = sess.history[-1] if sess.history else None
     bs = c.block_size
+    emulator = getattr(engine, "faults", None)
+    faults = f"{emulator.model}, {len(emulator.applied)} applied" if emulator is not None else None
     return SessionSnapshot(
         name, model, settings, take_cache(engine.manager), tuple(take_request(r, bs) for r in sess.requests),
         sess._step_index, take_step(last, bs) if last is not None else None,
-        getattr(engine.ledger, "num_collisions", 0))
+        getattr(engine.ledger, "num_collisions", 0), faults)
 
 
 def take(obj, *, block_size: int | None = None):

@@ -22,7 +22,8 @@ def _tokens_note(s: StepSnapshot) -> str:
     if not s.logits_request_ids:
         return "no row produced logits"
     if not s.sampled:
-        return f"{len(s.logits_request_ids)} logits rows, not sampled yet"
+        n = len(s.logits_request_ids)
+        return f"{n} logits row{'s' * (n != 1)}, not sampled yet"
     toks = [r.token_id for r in s.rows if r.token_id is not None]
     return f"sampled {toks}"
 
@@ -93,8 +94,8 @@ def step_html(s: StepSnapshot) -> str:
     if len(s.rows) > MAX_ROWS:
         body += h.muted(f"... {len(s.rows) - MAX_ROWS} more rows")
     logits = s.logits_state + (f" {list(s.logits_shape)}" if s.logits_shape else "")
-    body += "<div>" + h.fields([("logits", h.esc(logits)), ("transfers", h.esc(_transfers(s))),
-                                ("time", h.esc(_timings(s)))]) + "</div>"
+    body += "<div>" + h.fields([("logits", h.esc(logits)), ("transfers", h.esc(_transfers(s)))]) + "</div>"
+    body += "<div>" + h.fields([("time", h.esc(_timings(s)))]) + "</div>"
     usage = dict(s.cache_usage)
     if usage:
         body += "<div>" + h.fields([("cache after the step",

@@ -60,7 +60,12 @@ def topk(step, k: int = 5, decode: Callable[[list[int]], str] | None = None) -> 
     id_rows = tuple(tuple(int(x) for x in row) for row in ids_h.tolist())
     texts = tuple(tuple(decode([i]) for i in row) for row in id_rows) if decode is not None else None
     return TopK(step.index, tuple(step.logits_request_ids), id_rows,
-                tuple(tuple(round(float(p), 4) for p in row) for row in probs_h.tolist()), texts)
+                tuple(tuple(float(f"{p:.4g}") for p in row) for row in probs_h.tolist()), texts)
+
+
+def fmt_prob(p: float) -> str:
+    """0.4215 -> "0.4215", 6.6e-06 -> "6.6e-06": four significant digits at most."""
+    return f"{p:.4g}"
 
 
 def _label(t: TopK, r: int, j: int) -> str:
@@ -71,7 +76,8 @@ def _label(t: TopK, r: int, j: int) -> str:
 def topk_text(t: TopK) -> str:
     lines = [f"top-{len(t.token_ids[0]) if t.token_ids else 0} next tokens of step {t.step}"]
     for r, rid in enumerate(t.request_ids):
-        lines.append(f"  request {rid}: " + ", ".join(f"{_label(t, r, j)} {p:.3f}" for j, p in enumerate(t.probs[r])))
+        lines.append(f"  request {rid}: " + ", ".join(f"{_label(t, r, j)} {fmt_prob(p)}"
+                                                      for j, p in enumerate(t.probs[r])))
     return "\n".join(lines)
 
 
@@ -84,7 +90,7 @@ def topk_html(t: TopK) -> str:
             w = max(1, round(80 * p / top))          # bars relative to the row's most likely token
             bars.append(f'<div style="white-space:nowrap"><span style="display:inline-block;width:{w}px;height:9px;'
                         f'background:{h.owner_color(rid)};border:1px solid #8c959f;vertical-align:middle"></span>'
-                        f" {p:.3f} {h.esc(_label(t, r, j))}</div>")
+                        f" {fmt_prob(p)} {h.esc(_label(t, r, j))}</div>")
         rows.append((h.request_chip(rid), "".join(bars)))
     body = h.table(("request", "next token: probability, id, text"), rows) if rows else h.muted("no rows")
     return h.view(f"Top-{len(t.token_ids[0]) if t.token_ids else 0} next tokens", body,

@@ -133,6 +133,8 @@ def session_text(s: SessionSnapshot) -> str:
              f"steps: {s.num_steps}; last step: {last}"]
     if s.num_collisions:
         lines.append(f"slot collisions recorded: {s.num_collisions}")
+    if s.faults is not None:
+        lines.append(f"EMULATED faults on: {s.faults}")
     return "\n".join(lines)
 
 
@@ -141,6 +143,8 @@ def session_html(s: SessionSnapshot) -> str:
     settings = h.fields((k, h.esc(v)) for k, v in s.settings)
     last = step_summary_html(s.last_step) if s.last_step is not None else h.muted("none yet")
     collisions = h.bad_line(f"{s.num_collisions} slot collisions recorded") if s.num_collisions else ""
+    if s.faults is not None:
+        collisions += h.bad_line(f"EMULATED faults on: {s.faults}")
     body = (f"<div>{model}</div><div>{settings}</div>"
             + h.section("cache", cache_html(s.cache))
             + h.section(f"requests: {_status_counts(s)}", requests_html(s.requests))

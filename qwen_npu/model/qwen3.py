@@ -25,9 +25,31 @@ from ..config import ModelConfig
 from ..kernels.metadata import AttentionMetadata
 
 # A hook sees (name, tensor) at a named point of the forward and returns a tensor to use
-# instead, or None to keep it. Names: "embed", "layers.{i}.attn.q|k|v|out", "layers.{i}.mlp.out",
-# "layers.{i}.residual", "final_norm".
+# instead, or None to keep it. The points, in the order a layer reaches them (see
+# ``capture_names``; "tokens" = the step's tokens, "rows_out" = the rows that get logits):
+#
+#   embed                     [tokens, hidden]         token embeddings
+#   layers.{i}.attn.in        [tokens, hidden]         input_layernorm output (what q/k/v project)
+#   layers.{i}.attn.q_pre_rope [tokens, heads, hd]     after q_norm, before RoPE
+#   layers.{i}.attn.k_pre_rope [tokens, kv_heads, hd]  after k_norm, before RoPE
+#   layers.{i}.attn.q         [tokens, heads, hd]      after RoPE: what attention sees
+#   layers.{i}.attn.k         [tokens, kv_heads, hd]   after RoPE: what is written to the cache
+#   layers.{i}.attn.v         [tokens, kv_heads, hd]   what is written to the cache
+#   layers.{i}.attn.z         [tokens, heads, hd]      attention output per head, before o_proj
+#   layers.{i}.attn.out       [tokens, hidden]         after o_proj
+#   layers.{i}.mlp.in         [tokens, hidden]         post_attention_layernorm output
+#   layers.{i}.mlp.act        [tokens, intermediate]   silu(gate) * up, before down_proj
+#   layers.{i}.mlp.out        [tokens, hidden]         after down_proj
+#   layers.{i}.residual       [tokens, hidden]         the residual stream after the layer
+#   final_norm                [rows_out, hidden]       the final norm of the rows that get logits
+#   logits                    [rows_out, vocab]        float32 logits of those rows
+#
+# With a hook the residual stream is materialised after every layer (x + residual, then a zero
+# x); the sum is the one the fused add_rms_norm would form, so the numbers do not change.
 Hook = Callable[[str, torch.Tensor], "torch.Tensor | None"]
+
+ATTN_POINTS = ("in", "q_pre_rope", "k_pre_rope", "q", "k", "v", "z", "out")
+MLP_POINTS = ("in", "act", "out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +68,9 @@ def capture_names(num_layers: int) -> list[str]:
     """Every hook point of the forward, in the order they are reached."""
     names = ["embed"]
     for i in range(num_layers):
-        names += [f"layers.{i}.attn.{p}" for p in ("q", "k", "v", "out")]
-        names += [f"layers.{i}.mlp.out", f"layers.{i}.residual"]
-    return names + ["final_norm"]
+        names += [f"layers.{i}.attn.{p}" for p in ATTN_POINTS]
+        names += [f"layers.{i}.mlp.{p}" for p in MLP_POINTS] + [f"layers.{i}.residual"]
+    return names + ["final_norm", "logits"]
 
 
 class Qwen3Model:
@@ -112,11 +134,16 @@ class Qwen3Model:
                 residual, h = x, k_.rms_norm(x, layer.input_norm, eps)
             else:
                 h, residual = k_.add_rms_norm(x, residual, layer.input_norm, eps)
+            if hook is not None:
+                h = _hooked(hook, f"layers.{i}.attn.in", h)
             qkv = F.linear(h, layer.qkv)                                     # [tokens, q + 2 kv]
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = k_.rms_norm(q.reshape(t, c.num_attention_heads, c.head_dim), layer.q_norm, eps)
             k = k_.rms_norm(k.reshape(t, c.num_key_value_heads, c.head_dim), layer.k_norm, eps)
             v = v.reshape(t, c.num_key_value_heads, c.head_dim)               # [tokens, kv_heads, hd]
+            if hook is not None:
+                q = _hooked(hook, f"layers.{i}.attn.q_pre_rope", q)
+                k = _hooked(hook, f"layers.{i}.attn.k_pre_rope", k)
             q, k = k_.rope(q, k, cos, sin)                                   # [tokens, heads, hd]
             if hook is not None:
                 q = _hooked(hook, f"layers.{i}.attn.q", q)
@@ -125,12 +152,19 @@ class Qwen3Model:
             key_cache, value_cache = kv_caches[i]
             k_.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
             attn = k_.paged_attention(q, key_cache, value_cache, meta, self.scale)   # [tokens, heads, hd]
+            if hook is not None:
+                attn = _hooked(hook, f"layers.{i}.attn.z", attn)
             x = F.linear(attn.reshape(t, c.q_size), layer.o)                 # [tokens, hidden]
             if hook is not None:
                 x = _hooked(hook, f"layers.{i}.attn.out", x)
             h, residual = k_.add_rms_norm(x, residual, layer.post_norm, eps)
+            if hook is not None:
+                h = _hooked(hook, f"layers.{i}.mlp.in", h)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)          # [tokens, intermediate] x2
-            x = F.linear(F.silu(gate) * up, layer.down)                      # [tokens, hidden]
+            act = F.silu(gate) * up                                          # [tokens, intermediate]
+            if hook is not None:
+                act = _hooked(hook, f"layers.{i}.mlp.act", act)
+            x = F.linear(act, layer.down)                                    # [tokens, hidden]
             if hook is not None:
                 x = _hooked(hook, f"layers.{i}.mlp.out", x)
                 # materialise the residual stream so the hook sees (and may edit) it whole
@@ -143,10 +177,15 @@ class Qwen3Model:
         if hidden_out is not None:
             hidden_out.copy_(h)
         if logits_out is not None and logits_out.dtype == h.dtype:
-            return torch.mm(h, self.lm_head.t(), out=logits_out)            # [rows_out, vocab]
-        logits = F.linear(h, self.lm_head)
-        if logits_out is not None:
-            return logits_out.copy_(logits)
+            logits = torch.mm(h, self.lm_head.t(), out=logits_out)          # [rows_out, vocab]
+        else:
+            logits = F.linear(h, self.lm_head)
+            if logits_out is not None:
+                logits = logits_out.copy_(logits)
+        if hook is not None:
+            edited = hook("logits", logits)
+            if edited is not None:
+                logits = logits_out.copy_(edited) if logits_out is not None else edited
         return logits
 
     __call__ = forward

@@ -11,10 +11,6 @@ def ckpt(tmp_path_factory):
     return make_untied(tmp_path_factory.mktemp("prefix_cache"))
 
 
-def first_step_of(steps, rid):
-    return next(s for s in steps if rid in s.request_ids)
-
-
 def row_of(step, rid):
     """(positions, query_len) of ``rid``'s row in ``step``."""
     row = step.request_ids.index(rid)
@@ -92,9 +88,8 @@ def test_equal_token_blocks_under_different_prefixes_do_not_match(ckpt):
     assert row_of(step, other.id) == (list(range(9)), 9)
     assert sess.prefix_cache_stats.hit_blocks == hits
     same = sess.add_request(x + y + [2], greedy(2))            # x then y: both blocks match
-    sess.run_until = None
-    while other.status != "decoding" or same.status == "waiting":
-        step = sess.step()
+    step = sess.step()
+    assert row_of(step, same.id) == ([8], 1)
     assert same.num_cached_tokens == 8
     assert sess.prefix_cache_stats.hit_blocks == hits + 2
 
@@ -121,6 +116,8 @@ def test_the_last_prompt_token_is_always_computed_in_a_private_block(ckpt, lengt
     last_block = again.block_table[(length - 1) // 4]
     assert last_block not in first_blocks
     assert sess.blocks[last_block].ref_count == 1
+    # the first run's block with the same tokens stays cached and unshared
+    assert sess.blocks[first_blocks[(length - 1) // 4]].state == "cached"
     if length == 8:
         # the recomputed logits of the last prompt token match the first run's
         torch.testing.assert_close(step.logits.tensor[0], logits_first, atol=TOL, rtol=0)
@@ -142,7 +139,7 @@ def test_a_block_hash_is_published_only_after_the_step_that_fills_it(ckpt, monke
     assert b.num_cached_tokens == 16
     assert b.block_table[:4] == a.block_table[:4] and b.block_table[4] != a.block_table[4]
     s = sess.prefix_cache_stats
-    assert (s.hit_blocks, s.miss_blocks) == (4, 1)
+    assert (s.queries, s.hit_blocks, s.miss_blocks) == (2, 4, 5 + 1)      # a missed all its 5 blocks
     for (plan, blocks), step in zip(seen, steps):
         for block in written_blocks(step, 4):
             assert blocks[block].block_hash is None, f"step {step.index} writes published block {block}"
@@ -173,45 +170,41 @@ def test_freed_prefixes_stay_reusable_until_needed_then_are_evicted_least_recent
         sess.step()
     cached = {e.token_ids for e in sess.blocks.with_state("cached")}
     assert tuple(pb[:4]) in cached and tuple(pa[:4]) not in cached
+    assert tuple(pa[4:]) not in cached
     hits = sess.prefix_cache_stats.hit_blocks
-    again_a = sess.add_request(pa, greedy(1))
-    sess.step()
-    assert again_a.num_cached_tokens == 0 and sess.prefix_cache_stats.hit_blocks == hits
     again_b = sess.add_request(pb, greedy(1))
     sess.step()
     assert again_b.num_cached_tokens == 4 and sess.prefix_cache_stats.hit_blocks == hits + 1
     assert again_b.output_token_ids == b.output_token_ids
+    again_a = sess.add_request(pa, greedy(1))
+    sess.step()
+    assert again_a.num_cached_tokens == 0 and sess.prefix_cache_stats.hit_blocks == hits + 1
+    assert again_a.output_token_ids == a.output_token_ids
     assert_no_leaks(sess)
 
 
 def test_a_block_shared_by_two_running_requests_is_never_written(ckpt, monkeypatch):
     sess = open_session(ckpt, block_size=4)
-    seen = record_dispatch(sess, monkeypatch)
     base = prompts((16,), seed=9)[0]
     a = sess.add_request(base, greedy(8))
     sess.step()
-    sess.step()
-    b = sess.add_request(base, greedy(8))         # shares a's blocks 0..2, recomputes block 3
-    sess.step()
-    shared = [x for x in a.block_table if x in b.block_table]
-    assert len(shared) == 3
-    assert all(sess.blocks[x].ref_count == 2 for x in shared)
+    sess.step()                                   # a's prompt, then one decode step
+    b = sess.add_request(base, greedy(8))         # shares a's blocks 0..2, recomputes positions 12..15
+    seen = record_dispatch(sess, monkeypatch)
+    steps = [sess.step()]
+    assert row_of(steps[0], b.id) == ([12, 13, 14, 15], 4)
+    shared = a.block_table[:3]
+    assert b.block_table[:3] == shared and b.block_table[3] != a.block_table[3]
+    assert [sess.blocks[x].request_ids for x in shared] == [(a.id, b.id)] * 3
     kv = sess._engine.kv_cache
-    keys = [kv.layers()[0][0][shared].clone()] if hasattr(kv, "layers") else []
-    steps = []
+    before = [t[shared].clone() for t in kv.keys + kv.values]
     while not (a.is_done and b.is_done):
         steps.append(sess.step())
-    for (plan, blocks), step in zip(seen, [None, None] + [None] + steps):
-        if step is None:
-            continue
+    assert len(seen) == len(steps)
+    for (_, blocks), step in zip(seen, steps):
         for block in written_blocks(step, 4):
-            assert blocks[block].ref_count == 1, f"step {step.index} writes shared block {block}"
-    for plan, blocks in seen:
-        for row in plan.rows:
-            first_written = row.start // 4
-            table = blocks.of_request(row.request.id)
-            assert all(e.ref_count == 1 for e in table if e.block_id in
-                       row.request.block_table[first_written:]) if not row.request.is_done else True
-    if keys:
-        assert torch.equal(kv.layers()[0][0][shared], keys[0])
+            assert blocks[block].ref_count == 1, f"step {step.index} writes block {block}, which is shared"
+            assert block not in shared
+    assert all(torch.equal(t[shared], x) for t, x in zip(kv.keys + kv.values, before))
+    assert a.output_token_ids == b.output_token_ids
     assert_no_leaks(sess)

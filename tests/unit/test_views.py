@@ -75,7 +75,7 @@ def test_step_view_rows_slots_and_tokens(tiny_ckpt_small_vocab):
     sess.sample()
     step = sess.decode_step()
     text, html = views(step)
-    assert "1 logits rows, not sampled yet" in text
+    assert "1 logits row, not sampled yet" in text
     sess.sample()
     text, html = views(step)
     assert f"sampled {step.token_ids.tolist()}" in text

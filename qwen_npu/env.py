@@ -1,0 +1,127 @@
+"""``qwen_npu.env_report()`` / ``qwen-npu env``: the block to paste into a bug report.
+
+Versions (Python, torch, transformers, tokenizers, torch_npu, CANN), the devices this process
+sees, and what ``Session.from_pretrained(device="auto", kernels="auto")`` would choose here.
+Versions come from package metadata, so nothing heavy is imported; torch_npu is only ever
+probed through ``qwen_npu.device`` (its guarded loader).
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import sys
+
+import torch
+
+from . import device as devices
+
+ENV_VARS = ("QWEN_NPU_DEVICE_OUTPUTS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "ASCEND_RT_VISIBLE_DEVICES",
+            "CUDA_VISIBLE_DEVICES", "ASCEND_TOOLKIT_HOME", "OMP_NUM_THREADS")
+CANN_ROOTS = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann/latest")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvReport:
+    """Ordered (name, value) lines; ``str()`` is the paste-ready text, ``as_dict()`` for JSON."""
+
+    items: tuple[tuple[str, str], ...]
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.items)
+
+    def __str__(self) -> str:
+        width = max(len(k) for k, _ in self.items)
+        return "\n".join(["qwen-npu environment"] + [f"  {k:<{width}}  {v}" for k, v in self.items])
+
+    __repr__ = __str__
+
+
+def env_report() -> EnvReport:
+    """Collect the report now (probes the NPU once; never raises for a missing package)."""
+    items = [
+        ("qwen_npu", _version("qwen-npu")),
+        ("python", f"{platform.python_version()} ({platform.python_implementation()}) {sys.executable}"),
+        ("platform", platform.platform()),
+        ("torch", f"{torch.__version__} (cuda {torch.version.cuda or 'none'}, {torch.get_num_threads()} cpu threads)"),
+        ("transformers", _version("transformers")),
+        ("tokenizers", _version("tokenizers")),
+        ("torch_npu", _version("torch-npu", "torch_npu")),
+        ("CANN", cann_version()),
+        ("cpu", f"{os.cpu_count()} cores"),
+        ("cuda devices", _cuda_devices()),
+    ]
+    npu_ok, npu_reason = devices.npu_status()
+    items.append(("npu devices", _npu_devices() if npu_ok else npu_reason))
+    items += _session_choice()
+    items.append(("environment", ", ".join(f"{k}={os.environ[k]}" for k in ENV_VARS if k in os.environ) or "-"))
+    return EnvReport(tuple(items))
+
+
+def cann_version() -> str:
+    """The Ascend CANN toolkit version from its install files, or "not found"."""
+    roots = [os.environ[k] for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH") if os.environ.get(k)]
+    for root in roots + list(CANN_ROOTS):
+        files = glob.glob(os.path.join(root, "*", "ascend_toolkit_install.info"))
+        files += [os.path.join(root, n) for n in ("version.cfg", "compiler/version.info", "runtime/version.info")]
+        for f in files:
+            try:
+                with open(f) as fh:
+                    text = fh.read()
+            except OSError:
+                continue
+            m = re.search(r"^\s*(?:version|Version)\s*=\s*\[?([^\]\s:]+)", text, re.M)
+            if m:
+                return f"{m.group(1)} ({root})"
+    return "not found"
+
+
+def _version(*names: str) -> str:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _cuda_devices() -> str:
+    if not torch.cuda.is_available():
+        return "none"
+    return "; ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count()))
+
+
+def _npu_devices() -> str:
+    npu = devices.load_torch_npu().npu
+    try:
+        return "; ".join(f"npu:{i} {npu.get_device_name(i)}" for i in range(npu.device_count()))
+    except (AttributeError, RuntimeError) as e:
+        return f"{npu.device_count()} visible (names unavailable: {e})"
+
+
+def _session_choice() -> list[tuple[str, str]]:
+    try:
+        dev = devices.resolve_device("auto")
+        kernels = devices.resolve_kernels("auto", dev)
+    except Exception as e:  # noqa: BLE001 - the report must still print
+        return [("session default", f"cannot resolve device 'auto': {e}")]
+    outputs = os.environ.get("QWEN_NPU_DEVICE_OUTPUTS", "1").strip() != "0"
+    return [("session default", f"device={dev}, kernels={kernels}, block_size={devices.default_block_size(dev)}, "
+                                f"device_outputs={'on' if outputs else 'off'}")]
+
+
+def add_env_parser(subparsers) -> None:
+    """Register ``qwen-npu env [--json]`` on an argparse subparsers object."""
+    p = subparsers.add_parser("env", help="versions, devices and kernel choice, for a bug report")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    p.set_defaults(handler=run_env)
+
+
+def run_env(args) -> int:
+    report = env_report()
+    print(json.dumps(report.as_dict()) if args.json else str(report))
+    return 0

@@ -1,0 +1,182 @@
+"""``sess.audit(request)``: recompute one request's K/V from its tokens and compare with its slots.
+
+The request's computed tokens ``0..n-1`` run through the model again in ONE prefill row over a
+scratch cache of their own (a fresh KVCache whose block table is simply ``[0, 1, 2, ...]``)::
+
+    session cache   table [7, 2, 9]   pos 0..3 -> slots 28..31, pos 4..7 -> 8..11, pos 8.. -> 36..
+    scratch cache   table [0, 1, 2]   pos p    -> slot p
+
+so every K/V it produces depends only on the tokens, never on what the session's cache holds.
+Then, per layer and per position, ``max |cached - recomputed|`` over heads and dims, for K and for
+V, is compared with a tolerance. The session's cache, ledger, step counter and history are not
+touched; the scratch cache lives only for the call.
+
+Tolerance: ``tol * max(1, max |recomputed|)`` per layer and K/V, with ``tol`` 1e-5 in float32
+(chunked prefill, decode and one-pass prefill sum in different orders; on the tiny test models
+they agree to about 1e-6) and 8 machine epsilons in lower precision (0.0625 in bfloat16, about
+0.008 in float16), where every operation rounds to 8 or 11 bits. A lost or torn write (zeros,
+NaN, another token's K/V) is off by the size of the values themselves, far above either.
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+
+import torch
+
+from ..cache.kv_cache import KVCache
+from ..kernels.metadata import AttentionMetadata
+
+SHOWN = 20
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 8 * torch.finfo(dtype).eps
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAudit:
+    """One layer: the largest |cached - recomputed| over the request's positions, for K and V."""
+
+    layer: int
+    key_max_diff: float
+    value_max_diff: float
+    key_tol: float
+    value_tol: float
+    worst_position: int        # where the larger excess over its tolerance is
+
+    @property
+    def ok(self) -> bool:
+        return self.key_max_diff <= self.key_tol and self.value_max_diff <= self.value_tol
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditMismatch:
+    """One cached token that disagrees with the recomputation beyond tolerance."""
+
+    layer: int
+    kind: str                  # "key" | "value"
+    position: int
+    slot: int
+    block: int
+    offset: int
+    max_diff: float            # inf when the cached or recomputed value is not finite
+    tol: float
+
+    def __str__(self) -> str:
+        return (f"layer {self.layer} {self.kind}, position {self.position}: slot {self.slot} (block {self.block}, "
+                f"offset {self.offset}) differs from the recomputation by {self.max_diff:.3g} (tolerance "
+                f"{self.tol:.3g})")
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """``.ok``, ``.layers`` (per-layer max |diff|), ``.mismatches`` (sorted by position, layer, K before V)."""
+
+    request_id: int
+    num_tokens: int
+    dtype: str
+    layers: tuple[LayerAudit, ...]
+    mismatches: tuple[AuditMismatch, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def first(self) -> AuditMismatch | None:
+        """The earliest corrupted token (lowest position, then layer): where to look first."""
+        return self.mismatches[0] if self.mismatches else None
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        return tuple(f"request {self.request_id}: {m}" for m in self.mismatches)
+
+    @property
+    def max_diff(self) -> float:
+        return max((max(l.key_max_diff, l.value_max_diff) for l in self.layers), default=0.0)
+
+    def _lines(self) -> list[str]:
+        state = "ok" if self.ok else f"{len(self.mismatches)} mismatches"
+        lines = [f"AuditReport(request {self.request_id}, {self.num_tokens} tokens, {self.dtype}): {state}"]
+        for l in self.layers:
+            mark = "ok " if l.ok else "BAD"
+            lines.append(f"  {mark} layer {l.layer}: max|dK| {l.key_max_diff:.3g} (tol {l.key_tol:.2g}), "
+                         f"max|dV| {l.value_max_diff:.3g} (tol {l.value_tol:.2g})")
+        lines += [f"  - {m}" for m in self.mismatches[:SHOWN]]
+        if len(self.mismatches) > SHOWN:
+            lines.append(f"  ... and {len(self.mismatches) - SHOWN} more (see .mismatches)")
+        return lines
+
+    def __repr__(self) -> str:
+        return "\n".join(self._lines())
+
+    def _repr_html_(self) -> str:
+        lines = self._lines()
+        color = "#1a7f37" if self.ok else "#cf222e"
+        rows = "".join(
+            f"<tr><td style='padding:0 6px'>{l.layer}</td><td style='padding:0 6px'>{l.key_max_diff:.3g}</td>"
+            f"<td style='padding:0 6px'>{l.value_max_diff:.3g}</td>"
+            f"<td style='padding:0 6px;color:{'#1a7f37' if l.ok else '#cf222e'}'>{'ok' if l.ok else 'BAD'}</td></tr>"
+            for l in self.layers)
+        bad = "".join(f"<li>{html.escape(str(m))}</li>" for m in self.mismatches[:SHOWN])
+        more = f"<li>... and {len(self.mismatches) - SHOWN} more</li>" if len(self.mismatches) > SHOWN else ""
+        return (f'<div style="font-family:ui-monospace,monospace;font-size:12px">'
+                f'<div style="color:{color};font-weight:bold">{html.escape(lines[0])}</div>'
+                f"<table><thead><tr><th>layer</th><th>max|dK|</th><th>max|dV|</th><th></th></tr></thead>"
+                f"<tbody>{rows}</tbody></table>" + (f"<ul style='margin:2px 0'>{bad}{more}</ul>" if bad else "")
+                + "</div>")
+
+
+def recompute_kv(model, token_ids: list[int], block_size: int) -> KVCache:
+    """The K/V of ``token_ids`` from one prefill row over a scratch cache whose blocks are
+    ``0, 1, 2, ...`` in order, so position p lives in slot p."""
+    c, device = model.config, model.device
+    n = len(token_ids)
+    nb = -(-n // block_size)
+    scratch = KVCache(c.num_hidden_layers, nb, block_size, c.num_key_value_heads, c.head_dim, model.dtype, device)
+    pos = torch.arange(n, dtype=torch.int64).to(device)                          # [n]
+    meta = AttentionMetadata(
+        positions=pos, slot_mapping=pos,
+        block_tables=torch.arange(nb, dtype=torch.int32).to(device)[None],       # [1, nb]
+        seq_lens=torch.tensor([n], dtype=torch.int32).to(device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32).to(device),
+        query_lens_host=(n,), seq_lens_host=(n,), is_decode=False)
+    with torch.no_grad():
+        model(torch.tensor(token_ids, dtype=torch.int64).to(device), meta, scratch.layers(),
+              torch.tensor([n - 1], dtype=torch.int64).to(device))
+    return scratch
+
+
+def audit_kv(model, kv_cache: KVCache, request_id: int, token_ids: list[int], block_table: list[int],
+             tol: float | None = None) -> AuditReport:
+    """Compare the cached K/V of ``token_ids`` (held in ``block_table``) with a recomputation."""
+    n, bs = len(token_ids), kv_cache.block_size
+    dtype = kv_cache.keys[0].dtype
+    tol = default_tolerance(dtype) if tol is None else float(tol)
+    slots = [block_table[p // bs] * bs + p % bs for p in range(n)]
+    scratch = recompute_kv(model, token_ids, bs)
+    idx = torch.tensor(slots, dtype=torch.int64).to(kv_cache.keys[0].device)    # [n]
+    diffs, scales = [], []
+    for cached, ref in zip(kv_cache.keys + kv_cache.values, scratch.keys + scratch.values):
+        got = cached.view(-1, *cached.shape[2:]).index_select(0, idx).float()   # [n, kv_heads, head_dim]
+        want = ref.view(-1, *ref.shape[2:])[:n].float()                         # [n, kv_heads, head_dim]
+        d = (got - want).abs().flatten(1).amax(dim=1)                            # [n]
+        diffs.append(torch.nan_to_num(d, nan=float("inf")))
+        scales.append(want.abs().amax())
+    d_host = torch.stack(diffs).cpu()                     # [2 * layers, n]
+    s_host = torch.stack(scales).cpu()                    # [2 * layers]
+    num_layers = kv_cache.num_layers
+    layers, found = [], []
+    for layer in range(num_layers):
+        tols = [tol * max(1.0, float(s_host[layer + k * num_layers])) for k in (0, 1)]
+        rows = [d_host[layer + k * num_layers] for k in (0, 1)]
+        excess = torch.stack([rows[k] - tols[k] for k in (0, 1)]).amax(dim=0)  # [n]
+        layers.append(LayerAudit(layer, float(rows[0].max()), float(rows[1].max()), tols[0], tols[1],
+                                 int(excess.argmax())))
+        for k, kind in enumerate(("key", "value")):
+            for p in (rows[k] > tols[k]).nonzero().flatten().tolist():
+                s = slots[p]
+                found.append(AuditMismatch(layer, kind, p, s, s // bs, s % bs, float(rows[k][p]), tols[k]))
+    found.sort(key=lambda m: (m.position, m.layer, m.kind != "key"))
+    return AuditReport(request_id, n, str(dtype).removeprefix("torch."), tuple(layers), tuple(found))

@@ -1,0 +1,160 @@
+"""The step hook behind captures and interventions, and the names it answers to.
+
+While at least one ``capture`` or ``intervene`` block is open, ``Engine.hook`` holds a HookSet;
+when the last one closes it is None again, and the forward pays one flag check per hook point.
+For every step the engine calls ``begin_step(plan)``, which returns the model hook for that step.
+That hook knows which tokens of the step belong to which row::
+
+    prefill step, rows A (3 tokens) and B (2 tokens)      decode step, 3 rows
+    tokens   a0 a1 a2 | b0 b1                              tokens  a9 | b4 | c7
+    "layers.1.attn.q"  [5, heads, hd] -> A: [3, ...], B: [2, ...]     -> one token per row
+    "final_norm", "logits": one row per row that gets logits (the row's last token)
+
+A runner may call the forward several times in one step (the deterministic runner runs one
+token per call); every name keeps its own running offset into the step's tokens, so a call's
+rows are always matched to the right request and position.
+
+Order at one hook point: interventions in the order their blocks were entered, then captures,
+so a capture records the value the forward goes on with.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..model.qwen3 import capture_names
+
+ROW_NAMES = ("final_norm", "logits")       # one row per logits row, not one per token
+
+
+def resolve_names(patterns, num_layers: int) -> tuple[str, ...]:
+    """Expand names and glob patterns ("layers.*.attn.q") into hook names, in forward order.
+
+    Raises InvalidRequestError, naming close matches, for a name or pattern that matches nothing.
+    """
+    known = capture_names(num_layers)
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    patterns = list(patterns)
+    if not patterns:
+        raise InvalidRequestError("no activation names given; see sess.capture_names()")
+    chosen = set()
+    for p in patterns:
+        if not isinstance(p, str):
+            raise InvalidRequestError(f"activation names are strings, not {type(p).__name__} ({p!r})")
+        hits = fnmatch.filter(known, p) if any(ch in p for ch in "*?[") else [p] if p in known else []
+        if not hits:
+            close = difflib.get_close_matches(p, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise InvalidRequestError(f"no activation named {p!r} in this {num_layers}-layer model{hint} "
+                                      f"(sess.capture_names() lists all {len(known)})")
+        chosen.update(hits)
+    return tuple(n for n in known if n in chosen)
+
+
+def request_ids(sess, requests) -> frozenset[int] | None:
+    """Request ids of ``requests`` (Requests or ids) in ``sess``; None stays None (every row)."""
+    if requests is None:
+        return None
+    if not isinstance(requests, (list, tuple, set, frozenset)):
+        requests = [requests]
+    return frozenset(sess.request(getattr(r, "id", r)).id for r in requests)
+
+
+def attach(engine, entry) -> None:
+    """Start running ``entry`` (a Capture or Intervention) in every step of ``engine``."""
+    hooks = engine.hook
+    if hooks is None:
+        hooks = engine.hook = HookSet()
+    elif not isinstance(hooks, HookSet):
+        raise InvalidRequestError(f"the engine already runs another hook ({hooks!r}); remove it first")
+    hooks.entries.append(entry)
+
+
+def detach(engine, entry) -> None:
+    hooks = engine.hook
+    if isinstance(hooks, HookSet):
+        hooks.entries = [e for e in hooks.entries if e is not entry]
+        if not hooks.entries:
+            engine.hook = None
+
+
+class HookSet:
+    """The active captures and interventions of one engine, in the order they were entered."""
+
+    def __init__(self):
+        self.entries: list = []
+
+    def begin_step(self, plan) -> "StepHook":
+        entries = sorted(self.entries, key=lambda e: e.is_capture)      # stable: interventions first
+        for e in entries:
+            e.begin_step(plan)
+        return StepHook(plan, entries)
+
+    def __repr__(self) -> str:
+        return f"HookSet({self.entries!r})"
+
+
+class Span:
+    """The part of one hook call's rows that belongs to one request row of the step."""
+
+    __slots__ = ("request_id", "start", "end", "positions")
+
+    def __init__(self, request_id: int, start: int, end: int, positions: list[int]):
+        self.request_id, self.start, self.end, self.positions = request_id, start, end, positions
+
+
+class StepHook:
+    """The model hook of one step: splits each tensor by row and hands it to the entries."""
+
+    def __init__(self, plan, entries):
+        self.plan = plan
+        self.by_name: dict[str, list] = {}
+        for e in entries:
+            for name in e.names:
+                self.by_name.setdefault(name, []).append(e)
+        self.offsets: dict[str, int] = {}
+        self._spans: dict[tuple[bool, int, int], list[Span]] = {}
+        # active rows only: (request id, first token, end token) and (logits row -> request id, position)
+        self._rows = [(plan.rows[r].request.id, a, b) for r, a, b in plan.row_slices() if r < plan.num_active]
+        self._logit_rows = [(plan.rows[r].request.id, plan.positions[plan.logits_index[k]])
+                            for k, r in enumerate(plan.logits_rows)]
+
+    def __call__(self, name: str, x: torch.Tensor):
+        entries = self.by_name.get(name)
+        if entries is None:
+            return None
+        n = x.shape[0]
+        off = self.offsets.get(name, 0)
+        self.offsets[name] = off + n
+        spans = self.spans(name in ROW_NAMES, off, n)
+        if not spans:
+            return None
+        out = None
+        for e in entries:
+            y = e.on_tensor(self.plan, name, x if out is None else out, spans)
+            if y is not None:
+                out = y
+        return out
+
+    def spans(self, by_logits_row: bool, off: int, n: int) -> list[Span]:
+        """The rows of a call that covers step tokens (or logits rows) ``off..off+n-1``."""
+        key = (by_logits_row, off, n)
+        found = self._spans.get(key)
+        if found is not None:
+            return found
+        found = []
+        if by_logits_row:
+            for k in range(off, min(off + n, len(self._logit_rows))):
+                rid, pos = self._logit_rows[k]
+                found.append(Span(rid, k - off, k - off + 1, [pos]))
+        else:
+            for rid, a, b in self._rows:
+                lo, hi = max(a, off), min(b, off + n)
+                if lo < hi:
+                    found.append(Span(rid, lo - off, hi - off, self.plan.positions[lo:hi]))
+        self._spans[key] = found
+        return found
