@@ -7,11 +7,11 @@ from types import ModuleType
 
 from .metadata import AttentionMetadata
 
-KERNEL_SETS = ("reference", "npu")
+KERNEL_SETS = ("reference", "npu", "cpu")
 
 
 def get_kernels(name: str = "reference") -> ModuleType:
-    """The kernel module called ``name`` ("reference" or "npu")."""
+    """The kernel module called ``name`` ("reference", "npu" or "cpu")."""
     if name not in KERNEL_SETS:
         raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")
     return importlib.import_module(f"{__name__}.{name}")

@@ -9,9 +9,11 @@ turns every such failure into a reason in words; ``resolve_device("npu")`` raise
 
     spec        -> device            kernels "auto" -> set
     "auto"      -> npu:0 | cuda:0 | cpu               npu device -> "npu"
-    "npu[:N]"   -> npu:N or DeviceError (with reason) other      -> "reference"
-    "cuda[:N]"  -> cuda:N or DeviceError              "reference" is allowed everywhere
-    "cpu"       -> cpu                                ("npu" kernels need an npu device)
+    "npu[:N]"   -> npu:N or DeviceError (with reason) cpu device -> "cpu" where it can run
+    "cuda[:N]"  -> cuda:N or DeviceError                            (AVX2 + a C++ compiler)
+    "cpu"       -> cpu                                other      -> "reference"
+                                                  "reference" is allowed everywhere
+                                                  ("npu"/"cpu" kernels need that device)
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ except (ImportError, OSError, RuntimeError) as _exc:   # torch-npu without CANN 
 
 from .errors import DeviceError
 
-KERNEL_CHOICES = ("auto", "reference", "npu")
+KERNEL_CHOICES = ("auto", "reference", "npu", "cpu")
 
 
 @functools.lru_cache(maxsize=1)
@@ -131,11 +133,21 @@ def default_block_size(device: torch.device | str) -> int:
 
 
 def resolve_kernels(name: str, device: torch.device | str) -> str:
-    """The kernel set for ``name`` on ``device``: "auto" -> "npu" on an npu device, else
-    "reference". "reference" runs anywhere (on an NPU too, to bisect a kernel bug)."""
+    """The kernel set for ``name`` on ``device``: "auto" -> "npu" on an npu device, "cpu" on a
+    cpu device where those kernels can run, else "reference". "reference" runs anywhere (on an
+    NPU too, to bisect a kernel bug)."""
     kind = device_type(device)
     if name == "auto":
+        if kind == "cpu":
+            return "cpu" if _cpu_kernels_status()[0] else "reference"
         return "npu" if kind == "npu" else "reference"
+    if name == "cpu":
+        ok, reason = _cpu_kernels_status()
+        if kind != "cpu" or not ok:
+            why = f"the device is {str(device)!r}" if kind != "cpu" else reason
+            raise DeviceError(f"kernels='cpu' needs a cpu device with AVX2 and a C++ compiler, but {why}; "
+                              f"use kernels='reference' (or 'auto')")
+        return "cpu"
     if name == "reference":
         return "reference"
     if name == "npu":
@@ -144,6 +156,11 @@ def resolve_kernels(name: str, device: torch.device | str) -> str:
                               f"use kernels='reference' (or 'auto'), or device='npu'")
         return "npu"
     raise DeviceError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_CHOICES)}")
+
+
+def _cpu_kernels_status() -> tuple[bool, str]:
+    from .kernels import cpu                    # lazy: kernels sit above device in the layering
+    return cpu.availability()
 
 
 def synchronize(device: torch.device | str) -> None:

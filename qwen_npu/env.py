@@ -57,6 +57,7 @@ def env_report() -> EnvReport:
     ]
     npu_ok, npu_reason = devices.npu_status()
     items.append(("npu devices", _npu_devices() if npu_ok else npu_reason))
+    items.append(("cpu kernels", _cpu_kernels()))
     items += _session_choice()
     items.append(("environment", ", ".join(f"{k}={os.environ[k]}" for k in ENV_VARS if k in os.environ) or "-"))
     return EnvReport(tuple(items))
@@ -101,6 +102,12 @@ def _npu_devices() -> str:
         return "; ".join(f"npu:{i} {npu.get_device_name(i)}" for i in range(npu.device_count()))
     except (AttributeError, RuntimeError) as e:
         return f"{npu.device_count()} visible (names unavailable: {e})"
+
+
+def _cpu_kernels() -> str:
+    from .kernels import cpu
+    ok, reason = cpu.availability()
+    return f"{'usable' if ok else 'not usable'}: {reason}"
 
 
 def _session_choice() -> list[tuple[str, str]]:

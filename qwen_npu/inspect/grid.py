@@ -35,7 +35,10 @@ def block_title(c: BlockCell, block_size: int) -> str:
 
 
 def shown_cells(cache: CacheSnapshot, max_cells: int = MAX_GRID_CELLS) -> int:
-    """How many leading blocks the grid draws: through the last non-free block, whole rows, capped."""
+    """How many leading blocks the grid draws: all of a small cache (up to half of ``max_cells``),
+    else through the last non-free block in whole rows, capped at ``max_cells``."""
+    if cache.num_blocks <= max_cells // 2:
+        return cache.num_blocks
     last = max((c.block_id for c in cache.cells if c.state != "free"), default=-1)
     n = -(-(last + 1) // GRID_COLUMNS) * GRID_COLUMNS
     return min(cache.num_blocks, max(n, min(GRID_COLUMNS, cache.num_blocks)), max_cells)

@@ -36,10 +36,10 @@ def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True, **kw)
 
 
-def hf_activations(path, tokens: list[int], *, edit=None) -> dict[str, torch.Tensor]:
+def hf_activations(path, tokens: list[int], *, edits=None) -> dict[str, torch.Tensor]:
     """Our hook names -> [len(tokens), ...] from one dense HF forward (``final_norm`` and
-    ``logits`` for every position). ``edit(layer_index, o_proj_output) -> tensor`` may replace the
-    attention output of a layer."""
+    ``logits`` for every position). ``edits``: {"layers.{i}.attn.out" or "layers.{i}.residual":
+    fn(tensor [1, tokens, hidden]) -> tensor}, applied as forward hooks on o_proj / the decoder layer."""
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
     model = hf_model(path)
     cfg = model.config
@@ -75,9 +75,9 @@ def hf_activations(path, tokens: list[int], *, edit=None) -> dict[str, torch.Ten
             layer.mlp.register_forward_hook(keep(p + "mlp.out")),
             layer.register_forward_hook(keep(p + "residual")),
         ]
-        if edit is not None:
-            handles.append(a.o_proj.register_forward_hook(
-                lambda mod, args, res, i=i: edit(i, res)))
+        for key, module in ((p + "attn.out", a.o_proj), (p + "residual", layer)):
+            if edits and key in edits:
+                handles.insert(0, module.register_forward_hook(lambda mod, args, res, f=edits[key]: f(res)))
     handles.append(m.norm.register_forward_hook(keep("final_norm")))
     try:
         with torch.no_grad():

@@ -4,7 +4,6 @@ Random schedules of add / prefill / decode / sample / abort on small caches (few
 slots, so preemption and prefix sharing happen) run with slot_check="raise"; after every action
 ``sess.check()`` must be ok.
 """
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -12,15 +11,14 @@ from qwen_npu import InvalidRequestError, OutOfBlocksError, SamplingParams, Sess
 
 BASE = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]      # a shared prefix, so prefix blocks get shared
 
-actions = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 8), st.integers(1, 5), st.integers(1, 5)),
-    st.tuples(st.just("prefill")), st.tuples(st.just("decode")), st.tuples(st.just("step")),
-    st.tuples(st.just("abort"), st.integers(0, 20)),
-), min_size=1, max_size=30)
+add = st.tuples(st.just("add"), st.integers(0, 8), st.integers(1, 5), st.integers(1, 8))
+run = st.sampled_from([("step",), ("decode",), ("step",), ("prefill",), ("step",)])
+abort = st.tuples(st.just("abort"), st.integers(0, 12))      # aborts live request i, if there is one
+actions = st.lists(st.one_of(add, add, run, run, run, run, abort), min_size=12, max_size=40)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(block_size=st.integers(1, 4), num_blocks=st.integers(6, 12), max_batch=st.integers(1, 4),
+@given(block_size=st.integers(1, 4), num_blocks=st.integers(4, 10), max_batch=st.integers(1, 4),
        chunk_size=st.integers(1, 8), schedule=actions)
 def test_runtime_schedules_never_trip_a_check(tiny_ckpt_small_vocab, block_size, num_blocks, max_batch,
                                               chunk_size, schedule):
@@ -45,8 +43,8 @@ def test_runtime_schedules_never_trip_a_check(tiny_ckpt_small_vocab, block_size,
                 sess.step()
             else:
                 live = [r for r in sess.requests if not r.is_done]
-                if live:
-                    sess.abort(live[action[1] % len(live)])
+                if action[1] < len(live):
+                    sess.abort(live[action[1]])
         except OutOfBlocksError:
             pass                                    # a request larger than this small cache: refused up front
         except InvalidRequestError as e:
@@ -55,6 +53,6 @@ def test_runtime_schedules_never_trip_a_check(tiny_ckpt_small_vocab, block_size,
         assert report.ok, (action, report)
     assert sess._engine.ledger.num_collisions == 0
     assert all(not s.slot_problems for s in sess.history)
-    for r in sess.requests:
+    for r in sess.requests:                         # and the cached K/V are what the tokens give
         if r.status in ("prefilling", "decoding") and r.num_computed_tokens:
-            pytest.approx(0)  # placeholder to keep structure simple
+            assert sess.audit(r).ok, r

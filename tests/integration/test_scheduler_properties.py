@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_kit import assert_no_leaks, live_slot_problems
-from qwen_npu import SamplingParams, Session
+from qwen_npu import OutOfBlocksError, SamplingParams, Session
 
 MAX_MODEL_LEN = 16
 
@@ -79,35 +79,35 @@ def one_step(sess: Session, abort_before_sample: int | None) -> None:
         sess.sample(step)
 
 
-ops = st.one_of(
-    st.tuples(st.just("add"), st.lists(st.integers(0, 2), min_size=1, max_size=9), st.integers(1, 5)),
-    st.tuples(st.just("step"), st.none(), st.none()),
-    st.tuples(st.just("step"), st.none(), st.none()),
-    st.tuples(st.just("step_abort"), st.integers(0, 7), st.none()),
-    st.tuples(st.just("abort"), st.integers(0, 7), st.none()),
-    st.tuples(st.just("reset"), st.none(), st.none()),
-)
+KINDS = ["add"] * 4 + ["step"] * 6 + ["step_abort", "abort", "reset"]
+ops = st.tuples(st.sampled_from(KINDS), st.lists(st.integers(0, 2), min_size=1, max_size=9), st.integers(1, 5))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
-@given(block_size=st.integers(1, 4), spare_blocks=st.integers(0, 3), max_batch=st.integers(1, 4),
-       chunk_size=st.integers(1, 8), prefix_cache=st.booleans(), program=st.lists(ops, max_size=14))
+@given(block_size=st.integers(1, 4), capacity=st.integers(4, 13), max_batch=st.integers(1, 4),
+       chunk_size=st.integers(1, 8), prefix_cache=st.booleans(), program=st.lists(ops, max_size=20))
 def test_random_programs_keep_the_invariants_and_finish_every_request(
-        sessions, block_size, spare_blocks, max_batch, chunk_size, prefix_cache, program):
-    # the smallest cache where the longest request (9 + 5 tokens, 13 computed) still fits alone
-    num_blocks = -(-13 // block_size) + spare_blocks
+        sessions, block_size, capacity, max_batch, chunk_size, prefix_cache, program):
+    num_blocks = -(-capacity // block_size)
     sess = sessions(block_size=block_size, num_blocks=num_blocks, max_batch=max_batch, chunk_size=chunk_size,
                     prefix_cache=prefix_cache)
     tables = Tables()
-    for op, a, b in program:
+    for op, tokens, n in program:
         live = [r for r in sess.requests if not r.is_done]
         if op == "add":
-            sess.add_request(a, SamplingParams(max_new_tokens=b, ignore_eos=True))
+            sampling = SamplingParams(max_new_tokens=n, ignore_eos=True)
+            if len(tokens) + n - 1 > num_blocks * block_size:      # it alone cannot fit: refused
+                before = [(r.id, r.status, r.num_computed_tokens, r.block_table) for r in sess.requests]
+                with pytest.raises(OutOfBlocksError):
+                    sess.add_request(tokens, sampling)
+                assert before == [(r.id, r.status, r.num_computed_tokens, r.block_table) for r in sess.requests]
+            else:
+                sess.add_request(tokens, sampling)
         elif op in ("step", "step_abort") and live:
-            one_step(sess, a if op == "step_abort" else None)
+            one_step(sess, n if op == "step_abort" else None)
         elif op == "abort" and live:
-            sess.abort(live[a % len(live)])
+            sess.abort(live[n % len(live)])
         elif op == "reset":
             sess.reset()
             tables = Tables()

@@ -1,0 +1,155 @@
+"""The cpu kernel set against the reference kernels and naive float64 formulas.
+
+Tolerances (kernels/cpu.py): float32 atol = rtol = 1e-5; bfloat16 atol = rtol = 2e-2, against a
+float64 computation from the same (rounded) inputs, exactly as for the reference set. Skipped
+where the set cannot run (no AVX2 or no C++ compiler).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_reference import (DECODE_ROWS, PREFILL_ROWS, TOL, bits, build_case, naive_attention,
+                            naive_write)
+
+from qwen_npu import SamplingParams, Session
+from qwen_npu.kernels import cpu
+from qwen_npu.kernels import reference as ref
+from qwen_npu.testing import make_tiny_qwen3
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"cpu kernels: {cpu.availability()[1]}")
+DTYPES = list(TOL)
+
+
+# --- linear -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, cpu.MAX_KERNEL_ROWS + 3])
+@pytest.mark.parametrize("n, k", [(12, 64), (7, 40), (2, 13), (1, 8)])
+def test_linear_matches_float64(n, k, rows, dtype):
+    gen = torch.Generator().manual_seed(rows * 100 + n)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.2).to(dtype)
+    y = cpu.linear(x, w)
+    assert y.shape == (rows, n) and y.dtype == dtype
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[dtype])
+
+
+def test_linear_keeps_leading_dims_and_agrees_with_the_reference_product():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 96, generator=gen).bfloat16()
+    w = (torch.randn(50, 96, generator=gen) * 0.1).bfloat16()
+    y = cpu.linear(x, w)
+    assert y.shape == (2, 3, 50)
+    torch.testing.assert_close(y.float(), F.linear(x, w).float(), **TOL[torch.bfloat16])
+
+
+def test_linear_on_a_view_of_fused_weights():
+    gen = torch.Generator().manual_seed(6)
+    fused = torch.randn(40, 32, generator=gen).bfloat16()
+    x = torch.randn(3, 16, generator=gen).bfloat16()
+    view = fused[:, 8:24]                                  # not contiguous
+    torch.testing.assert_close(cpu.linear(x, view).double(), x.double() @ view.double().T,
+                               **TOL[torch.bfloat16])
+
+
+# --- paged attention --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gqa", [1, 2, 5])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("rows", [PREFILL_ROWS, DECODE_ROWS], ids=["prefill", "decode"])
+def test_paged_attention_matches_dense(rows, block_size, gqa, dtype):
+    meta, query, kc, vc, dense, _ = build_case(rows, block_size, 2, gqa, 8, dtype)
+    scale = 8 ** -0.5
+    out = cpu.paged_attention(query, kc, vc, meta, scale)
+    assert out.shape == query.shape and out.dtype == dtype
+    torch.testing.assert_close(out.double(), naive_attention(query, rows, dense, gqa, scale), **TOL[dtype])
+    torch.testing.assert_close(out.double(), ref.paged_attention(query, kc, vc, meta, scale).double(),
+                               **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_long_context_and_wide_heads(dtype):
+    """head_dim 128 and contexts past one vector width exercise the vector paths and their tails."""
+    rows = [(130, 1), (0, 37), (61, 9)]
+    meta, query, kc, vc, dense, _ = build_case(rows, 16, 2, 2, 128, dtype, seed=3)
+    out = cpu.paged_attention(query, kc, vc, meta, 128 ** -0.5)
+    torch.testing.assert_close(out.double(), naive_attention(query, rows, dense, 2, 128 ** -0.5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("poison", [float("nan"), 1e30, float("inf")])
+@pytest.mark.parametrize("is_decode", [True, False])
+def test_a_row_never_reads_another_rows_blocks(poison, is_decode):
+    meta, query, kc, vc, _, tables = build_case(DECODE_ROWS, 4, 2, 2, 8, torch.float32, pad_cols=3)
+    meta = dataclasses.replace(meta, is_decode=is_decode)
+    base = cpu.paged_attention(query, kc, vc, meta, 0.35)
+    assert torch.isfinite(base).all()
+    for row, table in enumerate(tables):
+        kp, vp = kc.clone(), vc.clone()
+        others = [b for b in range(kc.shape[0]) if b not in table]
+        kp[others] = poison
+        vp[others] = poison
+        out = cpu.paged_attention(query, kp, vp, meta, 0.35)
+        assert torch.equal(out[row], base[row]), f"row {row} changed when other rows' blocks changed"
+
+
+# --- write_kv ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slots", [[5, -1, 9, -1, 0], [-1, -1, -1], [-1, 3], [7], []],
+                         ids=["mixed", "all-skipped", "skip-first", "one", "empty"])
+def test_write_kv_is_bit_identical_to_the_naive_write(slots, dtype):
+    gen = torch.Generator().manual_seed(1)
+    kc = torch.randn(3, 4, 2, 8, generator=gen).to(dtype)
+    vc = torch.randn(3, 4, 2, 8, generator=gen).to(dtype)
+    key = torch.randn(len(slots), 2, 8, generator=gen).to(dtype)
+    value = torch.randn(len(slots), 2, 8, generator=gen).to(dtype)
+    want_k, want_v = naive_write(kc, vc, key, value, slots)
+    cpu.write_kv(key, value, kc, vc, torch.tensor(slots, dtype=torch.int64))
+    assert torch.equal(bits(kc), bits(want_k)) and torch.equal(bits(vc), bits(want_v))
+
+
+def test_write_kv_casts_into_the_cache_dtype_and_refuses_slots_past_the_cache():
+    kc = torch.zeros(2, 2, 1, 4, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    key = torch.randn(1, 1, 4)
+    cpu.write_kv(key, key * 2, kc, vc, torch.tensor([3]))
+    assert torch.equal(kc[1, 1], key[0].bfloat16()) and torch.equal(vc[1, 1], (key[0] * 2).bfloat16())
+    with pytest.raises(RuntimeError, match="beyond the cache"):
+        cpu.write_kv(key, key, kc, vc, torch.tensor([4]))
+
+
+# --- the whole model ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_ckpt(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("cpu_bf16"), vocab_size=512, seed=4, hidden_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+                           dtype=torch.bfloat16)
+
+
+def run_logits(path, kernels, prompts, steps):
+    sess = Session.from_pretrained(path, kernels=kernels, max_batch=4, chunk_size=16, max_model_len=128)
+    reqs = [sess.add_request(p, SamplingParams(max_new_tokens=steps, ignore_eos=True)) for p in prompts]
+    rows = []
+    while not all(r.is_done for r in reqs):
+        step = sess.step()
+        if step.logits is not None:
+            rows.append(step.logits.tensor.clone())
+    return torch.cat(rows), [r.output_token_ids for r in reqs]
+
+
+def test_bf16_model_logits_match_the_reference_set(bf16_ckpt):
+    """Same prompts, chunked prefill and batched decode, both sets: logits within bf16 tolerance."""
+    prompts = [list(range(3, 40)), list(range(100, 105)), [7] * 21]
+    assert Session.from_pretrained(bf16_ckpt, kernels="auto").config.kernels == "cpu"
+    want, want_ids = run_logits(bf16_ckpt, "reference", prompts, 6)
+    got, got_ids = run_logits(bf16_ckpt, "cpu", prompts, 6)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1                 # compare tokens only where the margin is clear
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
