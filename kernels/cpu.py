@@ -38,7 +38,9 @@ from .metadata import AttentionMetadata
 
 NAME = "cpu"
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-# A linear with more rows than this is a matrix product: widen the weights to fp32 and use MKL.
+# From this many x rows on, the weights are re-laid out in panels (see cpu_ops.cpp) ...
+PANEL_ROWS = 4
+# ... and past this many, the weights are widened to fp32 for MKL's matrix product instead.
 MAX_KERNEL_ROWS = 32
 
 rms_norm = reference.rms_norm
@@ -84,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if rows > MAX_KERNEL_ROWS:
         return F.linear(x.float(), weight.float()).to(x.dtype)
-    return ops().linear(x, weight)
+    return ops().linear(x, weight, PANEL_ROWS)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

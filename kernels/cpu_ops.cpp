@@ -39,28 +39,37 @@ inline float hsum(__m256 v) {
 }
 
 // ---- linear ------------------------------------------------------------------------------------
-// One tile: MR rows of x (fp32) against NR rows of w, accumulating along k in 8-wide vectors.
+// One tile: MR (<= 4) rows of x (fp32) against NR (<= 3) rows of w, accumulating along k in
+// 8-wide vectors. The accumulators are named variables (not an array) so that they stay in
+// registers; the ones a smaller tile does not use are compiled away.
+#define QN_DOT_ACC(i, j) __m256 c##i##j = _mm256_setzero_ps();
+#define QN_DOT_FMA(i, j) if constexpr (MR > i && NR > j) c##i##j = _mm256_fmadd_ps(x##i, w##j, c##i##j);
+#define QN_DOT_OUT(i, j)                                                                   \
+  if constexpr (MR > i && NR > j) {                                                          \
+    float s = hsum(c##i##j);                                                                 \
+    for (int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * to_f(w[j * ldw + kk]);        \
+    y[i * ldy + j] = s;                                                                      \
+  }
 template <int MR, int NR, typename W>
 inline void linear_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K,
                         float* y, int64_t ldy) {
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  static_assert(MR >= 1 && MR <= 4 && NR >= 1 && NR <= 3, "tile shape");
+  QN_DOT_ACC(0, 0) QN_DOT_ACC(0, 1) QN_DOT_ACC(0, 2) QN_DOT_ACC(1, 0) QN_DOT_ACC(1, 1) QN_DOT_ACC(1, 2)
+  QN_DOT_ACC(2, 0) QN_DOT_ACC(2, 1) QN_DOT_ACC(2, 2) QN_DOT_ACC(3, 0) QN_DOT_ACC(3, 1) QN_DOT_ACC(3, 2)
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * ldw + k);
-    for (int i = 0; i < MR; ++i) {
-      __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
+    const __m256 w0 = load8(w + k);
+    const __m256 w1 = NR > 1 ? load8(w + ldw + k) : w0;
+    const __m256 w2 = NR > 2 ? load8(w + 2 * ldw + k) : w0;
+    const __m256 x0 = _mm256_loadu_ps(x + k);
+    const __m256 x1 = MR > 1 ? _mm256_loadu_ps(x + ldx + k) : x0;
+    const __m256 x2 = MR > 2 ? _mm256_loadu_ps(x + 2 * ldx + k) : x0;
+    const __m256 x3 = MR > 3 ? _mm256_loadu_ps(x + 3 * ldx + k) : x0;
+    QN_DOT_FMA(0, 0) QN_DOT_FMA(0, 1) QN_DOT_FMA(0, 2) QN_DOT_FMA(1, 0) QN_DOT_FMA(1, 1) QN_DOT_FMA(1, 2)
+    QN_DOT_FMA(2, 0) QN_DOT_FMA(2, 1) QN_DOT_FMA(2, 2) QN_DOT_FMA(3, 0) QN_DOT_FMA(3, 1) QN_DOT_FMA(3, 2)
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      float s = hsum(acc[i][j]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * to_f(w[j * ldw + kk]);
-      y[i * ldy + j] = s;
-    }
+  QN_DOT_OUT(0, 0) QN_DOT_OUT(0, 1) QN_DOT_OUT(0, 2) QN_DOT_OUT(1, 0) QN_DOT_OUT(1, 1) QN_DOT_OUT(1, 2)
+  QN_DOT_OUT(2, 0) QN_DOT_OUT(2, 1) QN_DOT_OUT(2, 2) QN_DOT_OUT(3, 0) QN_DOT_OUT(3, 1) QN_DOT_OUT(3, 2)
 }
 
 template <int NR, typename W>
@@ -76,13 +85,107 @@ inline void linear_rows(const float* x, int64_t M, int64_t K, const W* w, float*
   }
 }
 
+// Many x rows: the weights are re-laid out on the fly, 16 rows x KC columns at a time, into a
+// small fp32 panel [KC][16] (in L1), so each x value is broadcast against 16 outputs at once
+// and every widened weight serves all M rows.
+constexpr int PANEL = 16;
+constexpr int64_t KC = 256;
+
 template <typename W>
-void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y) {
+inline void pack_panel(const W* w, int64_t ldw, int64_t k0, int64_t kc, float* buf) {
+  // buf[k][r] = w[r][k0 + k] for r < 16: 8 x 8 transposes in registers
+  for (int64_t k = 0; k < kc; k += 8) {
+    for (int r0 = 0; r0 < PANEL; r0 += 8) {
+      __m256 row[8];
+      for (int r = 0; r < 8; ++r) row[r] = load8(w + (r0 + r) * ldw + k0 + k);
+      __m256 t0 = _mm256_unpacklo_ps(row[0], row[1]), t1 = _mm256_unpackhi_ps(row[0], row[1]);
+      __m256 t2 = _mm256_unpacklo_ps(row[2], row[3]), t3 = _mm256_unpackhi_ps(row[2], row[3]);
+      __m256 t4 = _mm256_unpacklo_ps(row[4], row[5]), t5 = _mm256_unpackhi_ps(row[4], row[5]);
+      __m256 t6 = _mm256_unpacklo_ps(row[6], row[7]), t7 = _mm256_unpackhi_ps(row[6], row[7]);
+      __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* b = buf + k * PANEL + r0;
+      _mm256_storeu_ps(b + 0 * PANEL, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(b + 1 * PANEL, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(b + 2 * PANEL, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(b + 3 * PANEL, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(b + 4 * PANEL, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(b + 5 * PANEL, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(b + 6 * PANEL, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(b + 7 * PANEL, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+  }
+}
+
+// y[i][0..16) (+)= sum_k x[i][k] * buf[k][0..16) for MR (<= 6) rows of x; named accumulators
+// as in linear_tile.
+#define QN_PAN_ACC(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
+#define QN_PAN_FMA(i)                                                                      \
+  if constexpr (MR > i) {                                                                    \
+    const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);                                   \
+    c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);                                               \
+    c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                                               \
+  }
+#define QN_PAN_OUT(i)                                                                      \
+  if constexpr (MR > i) {                                                                    \
+    float* yi = y + i * ldy;                                                                 \
+    if (accumulate) {                                                                        \
+      c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(yi));                                 \
+      c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(yi + 8));                             \
+    }                                                                                        \
+    _mm256_storeu_ps(yi, c##i##0);                                                           \
+    _mm256_storeu_ps(yi + 8, c##i##1);                                                       \
+  }
+template <int MR>
+inline void panel_tile(const float* x, int64_t ldx, const float* buf, int64_t kc, float* y, int64_t ldy,
+                       bool accumulate) {
+  static_assert(MR >= 1 && MR <= 6, "tile shape");
+  QN_PAN_ACC(0) QN_PAN_ACC(1) QN_PAN_ACC(2) QN_PAN_ACC(3) QN_PAN_ACC(4) QN_PAN_ACC(5)
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(buf + k * PANEL), b1 = _mm256_loadu_ps(buf + k * PANEL + 8);
+    QN_PAN_FMA(0) QN_PAN_FMA(1) QN_PAN_FMA(2) QN_PAN_FMA(3) QN_PAN_FMA(4) QN_PAN_FMA(5)
+  }
+  QN_PAN_OUT(0) QN_PAN_OUT(1) QN_PAN_OUT(2) QN_PAN_OUT(3) QN_PAN_OUT(4) QN_PAN_OUT(5)
+}
+
+template <typename W>
+void linear_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw, int64_t panels, float* y,
+                   int64_t ldy) {
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> buf(KC * PANEL);
+    for (int64_t p = p0; p < p1; ++p) {
+      const W* wp = w + p * PANEL * ldw;
+      float* yp = y + p * PANEL;
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        pack_panel(wp, ldw, k0, kc, buf.data());
+        const float* xk = x + k0;
+        const bool acc = k0 > 0;
+        int64_t m = 0;
+        for (; m + 6 <= M; m += 6) panel_tile<6>(xk + m * K, K, buf.data(), kc, yp + m * ldy, ldy, acc);
+        switch (M - m) {
+          case 5: panel_tile<5>(xk + m * K, K, buf.data(), kc, yp + m * ldy, ldy, acc); break;
+          case 4: panel_tile<4>(xk + m * K, K, buf.data(), kc, yp + m * ldy, ldy, acc); break;
+          case 3: panel_tile<3>(xk + m * K, K, buf.data(), kc, yp + m * ldy, ldy, acc); break;
+          case 2: panel_tile<2>(xk + m * K, K, buf.data(), kc, yp + m * ldy, ldy, acc); break;
+          case 1: panel_tile<1>(xk + m * K, K, buf.data(), kc, yp + m * ldy, ldy, acc); break;
+          default: break;
+        }
+      }
+    }
+  });
+}
+
+// Few x rows: weight rows are streamed once, NR at a time, dotted with every x row.
+template <typename W>
+void linear_dots(const float* x, int64_t M, int64_t K, const W* w, int64_t n_begin, int64_t N, float* y) {
   constexpr int NR = 3;                               // weight rows per tile
-  const int64_t groups = (N + NR - 1) / NR;
+  const int64_t groups = (N - n_begin + NR - 1) / NR;
   at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n = g * NR;
+      const int64_t n = n_begin + g * NR;
       const W* wg = w + n * K;
       float* yg = y + n;
       if (n + NR <= N) {
@@ -96,7 +199,18 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, fl
   });
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
+template <typename W>
+void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows) {
+  int64_t done = 0;
+  if (M >= panel_rows && K % 8 == 0) {
+    const int64_t panels = N / PANEL;
+    linear_panels(x, M, K, w, K, panels, y, N);
+    done = panels * PANEL;
+  }
+  if (done < N) linear_dots(x, M, K, w, done, N, y);
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t panel_rows) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu linear: tensors must be on the cpu");
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "cpu linear: x [..., K] and w [N, K] disagree: ",
               x.sizes(), " vs ", w.sizes());
@@ -109,9 +223,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
   auto y = torch::empty({M, N}, x2.options());                   // [M, N] fp32
   if (M > 0) {
     if (wc.scalar_type() == at::kBFloat16)
-      linear_impl(x2.data_ptr<float>(), M, K, wc.data_ptr<at::BFloat16>(), N, y.data_ptr<float>());
+      linear_impl(x2.data_ptr<float>(), M, K, wc.data_ptr<at::BFloat16>(), N, y.data_ptr<float>(), panel_rows);
     else
-      linear_impl(x2.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, y.data_ptr<float>());
+      linear_impl(x2.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, y.data_ptr<float>(), panel_rows);
   }
   auto sizes = x.sizes().vec();
   sizes.back() = N;

@@ -23,5 +23,6 @@ __all__ = [
     "QwenNpuError", "CheckpointError", "DeviceError", "InvalidRequestError", "OutOfBlocksError",
     "SlotCollisionError", "StaleOutputError",
     "compare",
-    "load_dump", "Dump", "env_report", "EnvReport", "TokenLogprob", "StreamEvent", "ScoreResult", "MemoryReport",
+    "load_dump", "Dump", "env_report", "EnvReport", "TokenLogprob", "StreamEvent", "ScoreResult",
+    "MemoryReport",
 ]

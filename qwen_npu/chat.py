@@ -27,7 +27,8 @@ def is_messages(prompt) -> bool:
 def template_kwargs(enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None) -> dict:
     """The variables handed to the template: ``chat_template_kwargs`` plus ``enable_thinking`` when set."""
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
-        raise InvalidRequestError(f"chat_template_kwargs must be a dict, not {type(chat_template_kwargs).__name__}")
+        raise InvalidRequestError(f"chat_template_kwargs must be a dict, "
+                                  f"not {type(chat_template_kwargs).__name__}")
     kwargs = dict(chat_template_kwargs or {})
     if enable_thinking is not None:
         kwargs["enable_thinking"] = bool(enable_thinking)
@@ -56,7 +57,8 @@ def apply_chat_template(tokenizer, messages, *, add_generation_prompt: bool = Tr
     try:
         return _environment().from_string(template).render(**variables)
     except (_TemplateError, jinja2.TemplateError) as e:
-        raise InvalidRequestError(f"{where or 'chat template'}: the chat template refused the messages: {e}") from None
+        raise InvalidRequestError(f"{where or 'chat template'}: the chat template refused the "
+                                  f"messages: {e}") from None
 
 
 def find_template(tokenizer) -> str | list | None:
@@ -98,7 +100,8 @@ def _environment():
         raise _TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     def strftime_now(fmt):
         return datetime.datetime.now().strftime(fmt)

@@ -105,7 +105,7 @@ class DumpStep:
         return len(self.block_tables)
 
     @classmethod
-    def from_dict(cls, d: dict, number: int, where: str = "dump") -> "DumpStep":
+    def from_dict(cls, d: dict, number: int, where: str = "dump") -> DumpStep:
         missing = [k for k in REQUIRED if k not in d]
         if missing:
             raise InvalidRequestError(f"{where}: step #{number} lacks {', '.join(missing)}")
@@ -113,7 +113,8 @@ class DumpStep:
         qls = d.get("query_lens") or [1] * rows
         return cls(kind=d["kind"], index=int(d.get("index", number)), slot_mapping=list(d["slot_mapping"]),
                    block_tables=[list(r) for r in d["block_tables"]], query_lens=list(qls),
-                   num_active=int(d.get("num_active", rows)), request_ids=list(d.get("request_ids") or range(rows)),
+                   num_active=int(d.get("num_active", rows)),
+                   request_ids=list(d.get("request_ids") or range(rows)),
                    positions=d.get("positions"), seq_lens=d.get("seq_lens"), input_ids=d.get("input_ids"),
                    token_ids=d.get("token_ids"), raw=d)
 
@@ -126,7 +127,8 @@ class DumpStep:
     def summary(self) -> str:
         pad = f", {self.num_active} active" if self.num_active != self.batch_size else ""
         toks = "" if self.token_ids is None else f"; sampled {self.token_ids}"
-        return (f"step {self.index} ({self.kind}): {self.batch_size} rows{pad}, {sum(self.query_lens)} tokens, "
+        return (f"step {self.index} ({self.kind}): {self.batch_size} rows{pad}, "
+                f"{sum(self.query_lens)} tokens, "
                 f"requests {self.request_ids}{toks}")
 
 
@@ -194,7 +196,8 @@ def add_inspect_parser(subparsers) -> None:
     """Register ``qwen-npu inspect DUMP [-v]`` on an argparse subparsers object."""
     p = subparsers.add_parser("inspect", help="print a step dump and run the slot checks on every step")
     p.add_argument("dump", help="a JSON dump written by sess.dump() or another runner (docs/dump-format.md)")
-    p.add_argument("-v", "--verbose", action="store_true", help="also print positions, slots and block tables")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print positions, slots and block tables")
     p.set_defaults(handler=run_inspect)
 
 

@@ -47,7 +47,8 @@ def env_report() -> EnvReport:
         ("qwen_npu", _version("qwen-npu")),
         ("python", f"{platform.python_version()} ({platform.python_implementation()}) {sys.executable}"),
         ("platform", platform.platform()),
-        ("torch", f"{torch.__version__} (cuda {torch.version.cuda or 'none'}, {torch.get_num_threads()} cpu threads)"),
+        ("torch", f"{torch.__version__} (cuda {torch.version.cuda or 'none'}, "
+                  f"{torch.get_num_threads()} cpu threads)"),
         ("transformers", _version("transformers")),
         ("tokenizers", _version("tokenizers")),
         ("torch_npu", _version("torch-npu", "torch_npu")),
@@ -59,7 +60,8 @@ def env_report() -> EnvReport:
     items.append(("npu devices", _npu_devices() if npu_ok else npu_reason))
     items.append(("cpu kernels", _cpu_kernels()))
     items += _session_choice()
-    items.append(("environment", ", ".join(f"{k}={os.environ[k]}" for k in ENV_VARS if k in os.environ) or "-"))
+    env = ", ".join(f"{k}={os.environ[k]}" for k in ENV_VARS if k in os.environ)
+    items.append(("environment", env or "-"))
     return EnvReport(tuple(items))
 
 
@@ -68,7 +70,8 @@ def cann_version() -> str:
     roots = [os.environ[k] for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH") if os.environ.get(k)]
     for root in roots + list(CANN_ROOTS):
         files = glob.glob(os.path.join(root, "*", "ascend_toolkit_install.info"))
-        files += [os.path.join(root, n) for n in ("version.cfg", "compiler/version.info", "runtime/version.info")]
+        files += [os.path.join(root, n)
+                  for n in ("version.cfg", "compiler/version.info", "runtime/version.info")]
         for f in files:
             try:
                 with open(f) as fh:
@@ -117,7 +120,8 @@ def _session_choice() -> list[tuple[str, str]]:
     except Exception as e:  # noqa: BLE001 - the report must still print
         return [("session default", f"cannot resolve device 'auto': {e}")]
     outputs = os.environ.get("QWEN_NPU_DEVICE_OUTPUTS", "1").strip() != "0"
-    return [("session default", f"device={dev}, kernels={kernels}, block_size={devices.default_block_size(dev)}, "
+    return [("session default", f"device={dev}, kernels={kernels}, "
+                                f"block_size={devices.default_block_size(dev)}, "
                                 f"device_outputs={'on' if outputs else 'off'}")]
 
 

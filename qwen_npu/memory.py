@@ -112,7 +112,8 @@ class MemoryReport:
             ("  free", f"{self.free_blocks} blocks ({_size(self.free_blocks * b)})"),
             ("buffers", _size(self.buffers)),
             ("total", _size(self.total)),
-            ("largest request", f"{self.largest_request} tokens (empty cache); {self.fits_now} tokens fit now"),
+            ("largest request", f"{self.largest_request} tokens (empty cache); "
+                                f"{self.fits_now} tokens fit now"),
             ("device free", "-" if self.device_free is None else _size(self.device_free)),
         ]
 
@@ -120,8 +121,9 @@ class MemoryReport:
         return "\n".join([f"MemoryReport({self.device})"] + [f"  {k:<16} {v}" for k, v in self.rows()])
 
     def _repr_html_(self) -> str:
-        body = "".join(f"<tr><td style='text-align:left;padding:2px 6px'>{html.escape(k.strip())}</td>"
-                       f"<td style='text-align:left;padding:2px 6px'>{html.escape(v)}</td></tr>" for k, v in self.rows())
+        cell = "<td style='text-align:left;padding:2px 6px'>{}</td>"
+        body = "".join(f"<tr>{cell.format(html.escape(k.strip()))}{cell.format(html.escape(v))}</tr>"
+                       for k, v in self.rows())
         return f"<div><b>memory ({html.escape(self.device)})</b><table>{body}</table></div>"
 
 
@@ -138,7 +140,8 @@ def memory_report(sess) -> MemoryReport:
         device=cfg.device, weights=_unique_bytes(model_tensors(sess.model)), kv_cache=kv.nbytes,
         block_bytes=block_bytes, num_blocks=kv.num_blocks, used_blocks=pool.num_used,
         cached_blocks=pool.num_cached, free_blocks=pool.num_free - pool.num_cached,
-        buffers=_unique_bytes(buffers), largest_request=min(cfg.max_model_len, kv.num_blocks * cfg.block_size),
+        buffers=_unique_bytes(buffers),
+        largest_request=min(cfg.max_model_len, kv.num_blocks * cfg.block_size),
         fits_now=fits, device_free=free)
 
 

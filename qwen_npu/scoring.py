@@ -90,7 +90,8 @@ def _continuation_ids(sess, continuation) -> list[int]:
     vocab = sess.model_config.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise InvalidRequestError(f"score: continuation token {bad[0]} is outside the vocabulary [0, {vocab})")
+        raise InvalidRequestError(f"score: continuation token {bad[0]} is outside the "
+                                  f"vocabulary [0, {vocab})")
     return ids
 
 
@@ -111,5 +112,5 @@ def _decode_alone(sess, req: Request):
     """A decode step that dispatches ``req`` only (its block was reserved by ``_check_room``)."""
     t0, undo = time.perf_counter(), SchedulingUndo(sess._engine.manager, [req])
     if not sess._engine.manager.allocate(req.id, req.num_tokens):
-        raise OutOfBlocksError(f"score: no free block for request {req.id}")   # cannot happen after _check_room
+        raise OutOfBlocksError(f"score: no free block for request {req.id}")   # not after _check_room
     return sess._run("decode", [(req, 1)], t0, undo)

@@ -98,8 +98,8 @@ class Session:
         return cls(model, config, path=path, tokenizer=Tokenizer.load(path))
 
     # ---- requests -----------------------------------------------------------------------------------
-    def add_request(self, prompt, sampling: SamplingParams | None = None, *, enable_thinking: bool | None = None,
-                    chat_template_kwargs: dict | None = None) -> Request:
+    def add_request(self, prompt, sampling: SamplingParams | None = None, *,
+                    enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None) -> Request:
         """Queue a prompt (text, token ids or chat messages); returns the live Request.
 
         Chat messages are rendered with the checkpoint's chat template; ``enable_thinking`` and
@@ -107,7 +107,8 @@ class Session:
         chat_kwargs = chat.template_kwargs(enable_thinking, chat_template_kwargs)
         return self._add(*self._prepare(prompt, sampling, chat_kwargs))
 
-    def _prepare(self, prompt, sampling, chat_kwargs: dict | None = None) -> tuple[list[int], str | None, SamplingParams]:
+    def _prepare(self, prompt, sampling,
+                 chat_kwargs: dict | None = None) -> tuple[list[int], str | None, SamplingParams]:
         """Validate one prompt without changing any state."""
         if sampling is None:
             sampling = SamplingParams()
@@ -119,7 +120,8 @@ class Session:
         sampling.validate_for(self.model_config.vocab_size, has_tokenizer=self.tokenizer is not None)
         text = None
         if chat.is_messages(prompt):
-            prompt = chat.apply_chat_template(self.tokenizer, prompt, where=str(self.path), **(chat_kwargs or {}))
+            prompt = chat.apply_chat_template(self.tokenizer, prompt, where=str(self.path),
+                                              **(chat_kwargs or {}))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(f"{self.path}: this checkpoint has no tokenizer.json, so prompts "
@@ -349,7 +351,7 @@ class Session:
 
     # ---- dumps, memory, lifetime ------------------------------------------------------------------------
     def dump(self, path, steps=None, *, logits_topk: int = 0):
-        """Write ``steps`` (default: ``sess.history``) to a JSON dump (docs/dump-format.md); returns the path."""
+        """Write ``steps`` (default: ``sess.history``) as a JSON dump (docs/dump-format.md); returns the path."""
         from .dump import dump_session
         return dump_session(self, path, steps, logits_topk=logits_topk)
 

@@ -20,7 +20,8 @@ order, so each finds its predecessors' K/V in the cache, as in a chunked prefill
 
 The cost is one forward per token: prefill loses all its batching and decode loses batching
 across requests (see docs for measured figures). Dispatch buffers are filled once per step, as
-usual; the per-token forwards read views of them, so h2d transfers do not grow.
+usual; the per-token forwards read views of them, so h2d transfers do not grow. Research hooks
+(captures, interventions) expect one forward per step and are refused in this mode.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import time
 
 import torch
 
+from ..errors import InvalidRequestError
 from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook
 from .buffers import OutputBuffer
@@ -46,6 +48,10 @@ class TokenByTokenRunner(ModelRunner):
 
     def dispatch(self, plan: StepPlan, timings: dict, transfers: dict, *,
                  hook: Hook | None = None) -> tuple[OutputBuffer, OutputBuffer, int]:
+        if hook is not None:
+            raise InvalidRequestError(
+                "research hooks (captures, interventions) see a whole step in one forward; with "
+                "deterministic=True every token runs alone, so they are not available — close them first")
         t0 = time.perf_counter()
         b = self.buffers
         pre = "" if plan.kind == "decode" else "prefill."
@@ -73,9 +79,9 @@ class TokenByTokenRunner(ModelRunner):
         timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
         with torch.no_grad():
             for j in range(tokens):
-                pos = positions[j:j + 1]                                     # [1]
+                pos, r = positions[j:j + 1], row_of[j]                       # [1]
                 meta = AttentionMetadata(
-                    positions=pos, slot_mapping=slots[j:j + 1], block_tables=block_tables[row_of[j]:row_of[j] + 1],
+                    positions=pos, slot_mapping=slots[j:j + 1], block_tables=block_tables[r:r + 1],
                     seq_lens=(pos + 1).to(torch.int32), query_start_loc=self._query_start,
                     query_lens_host=(1,), seq_lens_host=(plan.positions[j] + 1,), is_decode=True)
                 o = out_row.get(j)

@@ -14,7 +14,7 @@ tokens at once.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 REPLACEMENT = "\ufffd"
 

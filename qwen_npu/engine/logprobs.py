@@ -39,7 +39,8 @@ def width(ks: list[int | None], vocab_size: int) -> int | None:
     return min(max(asked), vocab_size) if asked else None
 
 
-def attach(packed: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor, k: int | None) -> torch.Tensor:
+def attach(packed: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor,
+           k: int | None) -> torch.Tensor:
     """Widen ``packed`` [rows] int64 to [rows, 2 + k] with log-probabilities (device, no sync).
 
     ``logits`` [rows, vocab]; ``token_ids`` [rows] int64, the tokens appended (sampled or forced).

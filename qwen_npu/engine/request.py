@@ -30,7 +30,7 @@ class SamplingParams:
     whatever else shares the batch; ``stop_token_ids=None`` means the checkpoint's eos ids.
     ``stop``: strings that end the output (matched on decoded text, cut from it);
     ``min_new_tokens``: no stop before that many tokens; ``logprobs=k``: record each token's
-    log-probability and its k most likely alternatives (see ``engine/stopping.py``, ``engine/logprobs.py``)."""
+    log-probability and its k most likely alternatives (see ``stopping.py``, ``logprobs.py``)."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0

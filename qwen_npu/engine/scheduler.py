@@ -14,7 +14,8 @@ Policy (continuous batching with chunked prefill):
   its blocks). So the oldest running request always makes progress, and since every request
   alone fits in the cache, every request finishes while steps continue.
 * A waiting request that finds no room stops admission for the step (later arrivals must not
-  overtake it), but requests already prefilling still get their chunks.
+  overtake it), and so does a preemption (a request just preempted is not taken back in the same
+  step); requests already prefilling still get their chunks.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Scheduler:
         rows: list[tuple[Request, int]] = []
         budget = self.chunk_size
         num_running = len(self.running(requests))
-        admitting = True                     # False once a waiting request found no room
+        admitting = True                     # False once a waiting request found no room or one was preempted
         for req in candidates:
             if len(rows) == self.max_batch or budget == 0:
                 break
@@ -57,6 +58,7 @@ class Scheduler:
                         n = 0                # it is the newest: it waits, keeping its blocks
                         break
                     self.preempt(victim)
+                    admitting, num_running = False, num_running - 1
                     budget += sum(k for r, k in rows if r is victim)
                     rows = [(r, k) for r, k in rows if r is not victim]
                 if n == 0:

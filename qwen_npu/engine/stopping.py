@@ -17,7 +17,7 @@ several tokens; among several matches the one that starts first wins (then the e
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

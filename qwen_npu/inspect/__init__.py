@@ -26,4 +26,18 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["snapshot", "inspect_slot", "SlotDetail", "topk", "TopK", *_LAZY]
+__all__ = [
+    "Explorer",
+    "SlotDetail",
+    "TopK",
+    "explore",
+    "inspect_slot",
+    "kv_norms",
+    "plot_cache_occupancy",
+    "plot_kv_norms",
+    "plot_rows_per_step",
+    "plot_step_timings",
+    "plot_topk",
+    "snapshot",
+    "topk",
+]

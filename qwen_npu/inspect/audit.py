@@ -20,7 +20,6 @@ NaN, another token's K/V) is off by the size of the values themselves, far above
 from __future__ import annotations
 
 import dataclasses
-import html
 
 import torch
 
@@ -112,20 +111,8 @@ class AuditReport:
         return "\n".join(self._lines())
 
     def _repr_html_(self) -> str:
-        lines = self._lines()
-        color = "#1a7f37" if self.ok else "#cf222e"
-        rows = "".join(
-            f"<tr><td style='padding:0 6px'>{l.layer}</td><td style='padding:0 6px'>{l.key_max_diff:.3g}</td>"
-            f"<td style='padding:0 6px'>{l.value_max_diff:.3g}</td>"
-            f"<td style='padding:0 6px;color:{'#1a7f37' if l.ok else '#cf222e'}'>{'ok' if l.ok else 'BAD'}</td></tr>"
-            for l in self.layers)
-        bad = "".join(f"<li>{html.escape(str(m))}</li>" for m in self.mismatches[:SHOWN])
-        more = f"<li>... and {len(self.mismatches) - SHOWN} more</li>" if len(self.mismatches) > SHOWN else ""
-        return (f'<div style="font-family:ui-monospace,monospace;font-size:12px">'
-                f'<div style="color:{color};font-weight:bold">{html.escape(lines[0])}</div>'
-                f"<table><thead><tr><th>layer</th><th>max|dK|</th><th>max|dV|</th><th></th></tr></thead>"
-                f"<tbody>{rows}</tbody></table>" + (f"<ul style='margin:2px 0'>{bad}{more}</ul>" if bad else "")
-                + "</div>")
+        from .report_views import audit_html
+        return audit_html(self)
 
 
 def recompute_kv(model, token_ids: list[int], block_size: int) -> KVCache:

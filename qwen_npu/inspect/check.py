@@ -17,7 +17,6 @@ It reads bookkeeping and the cache; it changes nothing.
 from __future__ import annotations
 
 import dataclasses
-import html
 
 import torch
 
@@ -84,20 +83,8 @@ class CheckReport:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:  # deterministic: inline styles, no ids, no scripts
-        style = "font-family:ui-monospace,monospace;font-size:12px"
-        if self.ok:
-            return (f'<div style="{style};color:#1a7f37;font-weight:bold">&#10003; check ok '
-                    f"({html.escape(self._summary())})</div>")
-        n = len(self.items)
-        parts = [f'<div style="{style}"><div style="color:#cf222e;font-weight:bold">&#10007; {n} problem'
-                 f'{"s" * (n != 1)} ({html.escape(self._summary())})</div>']
-        for name in SECTIONS:
-            msgs = self.section(name)
-            if msgs:
-                more = f"<li>... and {len(msgs) - SHOWN} more</li>" if len(msgs) > SHOWN else ""
-                items = "".join(f"<li>{html.escape(m)}</li>" for m in msgs[:SHOWN])
-                parts.append(f"<div><b>{name}</b> ({len(msgs)})<ul style='margin:2px 0'>{items}{more}</ul></div>")
-        return "".join(parts) + "</div>"
+        from .report_views import check_html
+        return check_html(self)
 
 
 def check_session(engine, requests: dict, history) -> CheckReport:

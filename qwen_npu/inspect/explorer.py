@@ -85,7 +85,7 @@ class Explorer:
                 raise ValueError("type a prompt (text, or comma-separated token ids) first")
             req = self.session.add_request(parse_prompt(text),
                                            SamplingParams(max_new_tokens=int(self.max_new_tokens.value)))
-        except Exception as e:   # shown in the widget, never raised
+        except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
             return self._error("add request", e)
         self.prompt.value = ""
         self.refresh()
@@ -97,7 +97,7 @@ class Explorer:
             step = fn()
             if sample and step.logits is not None and step.token_ids is None:
                 self.session.sample(step)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
             self.refresh()
             return self._error(name, e)
         self.refresh()
@@ -108,7 +108,7 @@ class Explorer:
     def _sample(self) -> None:
         try:
             ids = self.session.sample()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
             return self._error("sample", e)
         self.refresh()
         self._say(f"sampled {len(ids)} token(s) of step {self.session.last_step.index}")
@@ -143,13 +143,13 @@ class Explorer:
         tok = self.session.tokenizer
         try:
             self.topk_view.value = topk(last, self.k, tok.decode if tok is not None else None)._repr_html_()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
             self.topk_view.value = h.view("Top-k next tokens", h.bad_line(str(e)))
 
     def _show_slot(self) -> None:
         try:
             self.slot_view.value = inspect_slot(self.session, int(self.slot.value))._repr_html_()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
             self.slot_view.value = h.bad_line(str(e))
 
     def _say(self, text: str) -> None:

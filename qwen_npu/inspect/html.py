@@ -24,7 +24,7 @@ PALETTE = ("#8ecae6", "#ffb703", "#90be6d", "#f4a3b4", "#b8a1e3", "#f9844a",
            "#4cc9a0", "#e9c46a", "#a3b9d9", "#d4a373", "#c7e9b0", "#ffd6a5")
 FREE_BG, FREE_BORDER = "#ffffff", "#c8ccd0"
 CACHED_BG = "#d0d7de"
-PADDING_BG = "repeating-linear-gradient(45deg,#cf222e 0 2px,#ffebe9 2px 5px)"
+PADDING_BG = "repeating-linear-gradient(45deg,#ffb8b0 0 3px,#fff5f4 3px 6px)"
 COLLISION_BORDER = "2px solid #cf222e"
 OK_COLOR, BAD_COLOR, MUTED = "#1a7f37", "#cf222e", "#57606a"
 FONT = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;line-height:1.4"
@@ -82,13 +82,13 @@ def legend(items: Iterable[tuple[str, str, str]]) -> str:
 
 
 def owner_legend(request_ids: Iterable[int], *, shared=False, cached=False, free=False, padding=False,
-                 collision=False, max_requests: int = 12) -> str:
+                 collision=False, max_requests: int = 12, shared_label: str = "shared (ref count > 1)") -> str:
     ids = sorted(set(request_ids))
     items = [(f"r{r}", owner_color(r), "1px solid #8c959f") for r in ids[:max_requests]]
     if len(ids) > max_requests:
         items.append((f"... {len(ids) - max_requests} more requests", FREE_BG, "1px solid #ffffff"))
     if shared:
-        items.append(("shared (ref count > 1)", shared_bg(ids[0] if ids else 0), "1px solid #1f2328"))
+        items.append((shared_label, shared_bg(ids[0] if ids else 0), "1px solid #1f2328"))
     if cached:
         items.append(("cached (reusable prefix)", CACHED_BG, "1px solid #8c959f"))
     if free:

@@ -13,7 +13,6 @@ Everything but ``key``/``value`` is a snapshot copied when taken.
 from __future__ import annotations
 
 import dataclasses
-import html
 import operator
 
 import torch
@@ -66,12 +65,8 @@ class SlotInfo:
         return "\n".join(self._lines())
 
     def _repr_html_(self) -> str:
-        lines = self._lines()
-        bad = bool(self.collisions or self.faults)
-        color = "#cf222e" if bad else "#1f2328"
-        body = "<br>".join(html.escape(x).replace("  ", "&nbsp;&nbsp;") for x in lines[1:])
-        return (f'<div style="font-family:ui-monospace,monospace;font-size:12px">'
-                f'<b style="color:{color}">{html.escape(lines[0])}</b><br>{body}</div>')
+        from .report_views import slot_info_html
+        return slot_info_html(self)
 
 
 class KVView:
@@ -181,7 +176,8 @@ class KVView:
                 f"{k.dtype}, {k.device}; {self.num_slots} slots, {len(self._engine.ledger)} written)")
 
     def _repr_html_(self) -> str:
-        return f'<div style="font-family:ui-monospace,monospace;font-size:12px">{html.escape(repr(self))}</div>'
+        from .report_views import kv_html
+        return kv_html(self)
 
 
 def _index(x, name: str) -> int:

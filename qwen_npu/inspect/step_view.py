@@ -67,7 +67,7 @@ def step_text(s: StepSnapshot) -> str:
                  + f"; transfers: {_transfers(s)}")
     dup = s.duplicate_slots()
     if dup:
-        lines.append(f"  slots written by more than one row: "
+        lines.append("  slots written by more than one row: "
                      + "; ".join(f"{slot} (rows {', '.join(map(str, rows))})" for slot, rows in list(dup.items())[:8]))
     lines += [f"  problem: {p}" for p in s.slot_problems[:8]]
     lines += [f"  health: {p}" for p in s.health]
@@ -107,7 +107,8 @@ def step_html(s: StepSnapshot) -> str:
     if s.health:
         body += h.problem_list(s.health)
     owners = {r.request_id for r in s.rows}
-    body += h.owner_legend(owners, shared=bool(shared), padding=any(r.padding for r in s.rows), collision=bool(dup))
+    body += h.owner_legend(owners, shared=bool(shared), padding=any(r.padding for r in s.rows), collision=bool(dup),
+                           shared_label="block in several rows' tables")
     return h.view(f"Step {s.index}: {s.kind}", body, subtitle=h.esc(f"{_rows_note(s)}; {_tokens_note(s)}"))
 
 

@@ -10,7 +10,7 @@ The softmax normaliser and the top-k run on the device; per row only ``k`` proba
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -13,5 +13,17 @@ from .capture import Capture, CaptureRecord
 from .compare import Divergence, DivergenceReport, compare
 from .intervene import Intervention, add, replace, scale, zero, zero_heads
 
-__all__ = ["AttentionPattern", "Capture", "CaptureRecord", "Divergence", "DivergenceReport", "Intervention",
-           "compare", "add", "replace", "scale", "zero", "zero_heads"]
+__all__ = [
+           "AttentionPattern",
+           "Capture",
+           "CaptureRecord",
+           "Divergence",
+           "DivergenceReport",
+           "Intervention",
+           "add",
+           "compare",
+           "replace",
+           "scale",
+           "zero",
+           "zero_heads",
+]

@@ -58,8 +58,9 @@ class AttentionPattern:
         return [(int(j), self.tokens[int(j)], float(v)) for v, j in zip(vals, idx)]
 
     def plot(self, heads=None, *, max_labels: int = 40):
-        """A heatmap per head (queries down, keys across); returns a matplotlib Figure."""
-        from matplotlib.figure import Figure
+        """A heatmap per head (queries down, keys across); returns a matplotlib Figure (shown as a
+        PNG in a notebook, never registered with pyplot)."""
+        from ..inspect.plots import NotebookFigure
         heads = self.heads if heads is None else [heads] if isinstance(heads, int) else list(heads)
         missing = [h for h in heads if h not in self.heads]
         if missing:
@@ -68,7 +69,7 @@ class AttentionPattern:
         cols = min(n, 4)
         rows = -(-n // cols)
         q, k = len(self.positions), len(self.tokens)
-        fig = Figure(figsize=(min(3.2 * cols, 14), 0.4 + min(3.0, 0.25 * q + 1.2) * rows), layout="constrained")
+        fig = NotebookFigure(figsize=(min(3.2 * cols, 14), 0.4 + min(3.0, 0.25 * q + 1.2) * rows), layout="constrained")
         axes = fig.subplots(rows, cols, squeeze=False)
         for ax in axes.flat[n:]:
             ax.set_axis_off()
@@ -77,9 +78,9 @@ class AttentionPattern:
                            aspect="auto", interpolation="nearest")
             ax.set_title(f"layer {self.layer} head {h}", fontsize=9)
             if k <= max_labels:
-                ax.set_xticks(range(k), [repr(t)[1:-1] for t in self.tokens], rotation=90, fontsize=7)
+                ax.set_xticks(range(k), [ascii(t)[1:-1] for t in self.tokens], rotation=90, fontsize=7)
             if q <= max_labels:
-                ax.set_yticks(range(q), [f"{p}:{repr(t)[1:-1]}" for p, t in zip(self.positions, self.query_tokens)],
+                ax.set_yticks(range(q), [f"{p}:{ascii(t)[1:-1]}" for p, t in zip(self.positions, self.query_tokens)],
                               fontsize=7)
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="probability")
         fig.suptitle(f"request {self.request_id}: attention at layer {self.layer}", fontsize=10)
@@ -169,7 +170,6 @@ def _side_forward(model, token_ids: list[int], layer: int) -> tuple[torch.Tensor
             got[name] = x
         elif name == stop:
             raise _Stop
-        return None
 
     try:
         with torch.no_grad():

@@ -54,7 +54,7 @@ class Capture:
         self._used = False
 
     # ---- the context --------------------------------------------------------------------------
-    def __enter__(self) -> "Capture":
+    def __enter__(self) -> Capture:
         if self._used:
             raise InvalidRequestError("this capture was already used; call sess.capture(...) again")
         hooks.attach(self._sess._engine, self)
@@ -88,7 +88,6 @@ class Capture:
                 rec = self._records[(plan.index, rid)] = CaptureRecord(plan.index, plan.kind, rid, {}, {})
             rec.chunks.setdefault(name, []).append(snap[s.start:s.end])
             rec.positions.setdefault(name, []).extend(s.positions)
-        return None
 
     # ---- reading --------------------------------------------------------------------------------
     @property

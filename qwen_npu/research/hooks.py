@@ -10,9 +10,9 @@ That hook knows which tokens of the step belong to which row::
     "layers.1.attn.q"  [5, heads, hd] -> A: [3, ...], B: [2, ...]     -> one token per row
     "final_norm", "logits": one row per row that gets logits (the row's last token)
 
-A runner may call the forward several times in one step (the deterministic runner runs one
-token per call); every name keeps its own running offset into the step's tokens, so a call's
-rows are always matched to the right request and position.
+A runner may call the forward several times in one step (say, one token per call); every name
+keeps its own running offset into the step's tokens, so a call's rows are always matched to the
+right request and position.
 
 Order at one hook point: interventions in the order their blocks were entered, then captures,
 so a capture records the value the forward goes on with.
@@ -88,7 +88,7 @@ class HookSet:
     def __init__(self):
         self.entries: list = []
 
-    def begin_step(self, plan) -> "StepHook":
+    def begin_step(self, plan) -> StepHook:
         entries = sorted(self.entries, key=lambda e: e.is_capture)      # stable: interventions first
         for e in entries:
             e.begin_step(plan)
@@ -101,7 +101,7 @@ class HookSet:
 class Span:
     """The part of one hook call's rows that belongs to one request row of the step."""
 
-    __slots__ = ("request_id", "start", "end", "positions")
+    __slots__ = ("end", "positions", "request_id", "start")
 
     def __init__(self, request_id: int, start: int, end: int, positions: list[int]):
         self.request_id, self.start, self.end, self.positions = request_id, start, end, positions

@@ -42,7 +42,7 @@ class Intervention:
         self.num_edits = 0          # row slices edited so far
         self.active = False
 
-    def __enter__(self) -> "Intervention":
+    def __enter__(self) -> Intervention:
         hooks.attach(self._sess._engine, self)
         self.active = True
         return self

@@ -71,7 +71,8 @@ def test_checkpoint_without_template_is_a_clear_error(tiny_ckpt, tmp_path):
 
 
 def test_checkpoint_without_tokenizer_refuses_messages(tiny_ckpt_small_vocab):
-    s = Session.from_pretrained(tiny_ckpt_small_vocab, device="cpu", max_batch=2, num_blocks=16, max_model_len=64)
+    s = Session.from_pretrained(tiny_ckpt_small_vocab, device="cpu", max_batch=2, num_blocks=16,
+                                max_model_len=64)
     with pytest.raises(InvalidRequestError, match="no tokenizer"):
         s.add_request(CONVERSATIONS[0])
 

@@ -152,19 +152,11 @@ def test_non_finite_logits_are_flagged_naming_the_request(sess):
 
 
 def test_all_zero_logits_are_flagged_naming_the_request(sess):
+    from qwen_npu.research import zero
     a, b = two_decoding(sess)
-
-    def zero_row_of_a(name, x):                               # the final hidden state of row 0 -> 0
-        if name == "final_norm":
-            x = x.clone()
-            x[0] = 0
-            return x
-        return None
-
-    sess._engine.hook = zero_row_of_a
-    step = sess.decode_step()
-    sess._engine.hook = None
-    assert step.logits.tensor[0].eq(0).all()
+    with sess.intervene("final_norm", zero(), requests=[a]):      # row a's final hidden state -> 0
+        step = sess.decode_step()
+    assert step.logits.tensor[0].eq(0).all() and step.logits.tensor[1].ne(0).any()
     with pytest.warns(StreamHealthWarning, match=f"request {a.id}: all-zero logits"):
         sess.sample(step)
     assert step.health == [(a.id, "all-zero logits")]

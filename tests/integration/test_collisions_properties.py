@@ -14,7 +14,7 @@ BASE = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]      # a shared prefix, 
 add = st.tuples(st.just("add"), st.integers(0, 8), st.integers(1, 5), st.integers(1, 8))
 run = st.sampled_from([("step",), ("decode",), ("step",), ("prefill",), ("step",)])
 abort = st.tuples(st.just("abort"), st.integers(0, 12))      # aborts live request i, if there is one
-actions = st.lists(st.one_of(add, add, run, run, run, run, abort), min_size=12, max_size=40)
+actions = st.lists(st.one_of(add, add, run, run, run, run, abort), min_size=12, max_size=30)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

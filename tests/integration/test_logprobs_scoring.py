@@ -109,7 +109,8 @@ def test_score_matches_dense_log_softmax(sess, dense, include_prompt):
     ref = dense(prompt + cont)
     first = 1 if include_prompt else len(prompt)
     want_tokens = (prompt + cont)[first:]
-    assert list(res.token_ids) == want_tokens and list(res.positions) == list(range(first, len(prompt) + len(cont)))
+    assert list(res.token_ids) == want_tokens
+    assert list(res.positions) == list(range(first, len(prompt) + len(cont)))
     want = torch.tensor([ref[p - 1, t].item() for p, t in zip(res.positions, res.token_ids)])
     assert torch.allclose(torch.tensor(res.logprobs), want, atol=TOL)
     assert res.perplexity == pytest.approx(torch.exp(-want.mean()).item(), rel=1e-3)
@@ -124,9 +125,11 @@ def test_score_leaves_other_requests_untouched(sess, ckpt):
     reqs = [sess.add_request(x, sp) for x in p[:2]]
     for _ in range(4):
         sess.step()
-    before = [(r.status, list(r.output_token_ids), r.num_computed_tokens, r.block_table) for r in reqs]
+    def state():
+        return [(r.status, list(r.output_token_ids), r.num_computed_tokens, r.block_table) for r in reqs]
+    before = state()
     sess.score(p[2], [1, 2, 3])
-    assert [(r.status, list(r.output_token_ids), r.num_computed_tokens, r.block_table) for r in reqs] == before
+    assert state() == before
     while not all(r.is_done for r in reqs):
         sess.step()
     assert [tuple(r.output_token_ids) for r in reqs] == [c.token_ids for c in alone]

@@ -4,8 +4,7 @@ import weakref
 
 import pytest
 
-from qwen_npu import InvalidRequestError, SamplingParams, Session, StaleOutputError
-from qwen_npu import memory
+from qwen_npu import InvalidRequestError, SamplingParams, Session, StaleOutputError, memory
 from qwen_npu.cache.kv_cache import bytes_per_block
 
 ARGS = dict(device="cpu", max_batch=2, block_size=4, max_model_len=64)
@@ -35,8 +34,9 @@ def test_kv_memory_fraction_of_available_memory(tiny_ckpt_small_vocab, monkeypat
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(kv_memory="1GiB", num_blocks=8), "not both"), (dict(kv_memory="lots"), "kv_memory='lots'"),
-    (dict(kv_memory=1.5), "fraction"), (dict(kv_memory=0), "at least 1 byte"), (dict(kv_memory="10B"), "less than one KV block"),
+    ({"kv_memory": "1GiB", "num_blocks": 8}, "not both"), ({"kv_memory": "lots"}, "kv_memory='lots'"),
+    ({"kv_memory": 1.5}, "fraction"), ({"kv_memory": 0}, "at least 1 byte"),
+    ({"kv_memory": "10B"}, "less than one KV block"),
 ])
 def test_bad_budgets_are_refused(tiny_ckpt_small_vocab, kw, why):
     with pytest.raises(InvalidRequestError, match=why):
@@ -70,7 +70,7 @@ def test_close_frees_tensors_and_later_calls_say_so(tiny_ckpt_small_vocab):
     gc.collect()
     assert sess.closed and all(r() is None for r in refs)
     with pytest.raises(StaleOutputError):
-        step.logits.tensor
+        _ = step.logits.tensor
     for call in (lambda: sess.add_request([1, 2]), sess.step, sess.memory, lambda: sess.generate([[1]])):
         with pytest.raises(InvalidRequestError, match="session is closed"):
             call()
@@ -79,11 +79,11 @@ def test_close_frees_tensors_and_later_calls_say_so(tiny_ckpt_small_vocab):
 
 
 def test_context_manager_frees_on_error(tiny_ckpt_small_vocab):
-    with pytest.raises(RuntimeError, match="boom"):
-        with Session.from_pretrained(tiny_ckpt_small_vocab, num_blocks=32, **ARGS) as sess:
-            sess.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), progress=False)
-            refs = held_tensors(sess)
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), \
+            Session.from_pretrained(tiny_ckpt_small_vocab, num_blocks=32, **ARGS) as sess:
+        sess.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), progress=False)
+        refs = held_tensors(sess)
+        raise RuntimeError("boom")
     gc.collect()
     assert sess.closed and all(r() is None for r in refs)
 

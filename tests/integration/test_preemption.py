@@ -72,6 +72,26 @@ def test_a_preempted_request_waits_keeping_its_tokens_and_is_recomputed(ckpt):
     assert_no_leaks(sess)
 
 
+def test_only_the_most_recently_added_request_is_preempted(ckpt):
+    # 5 blocks of 2: the older request computes at most 8 tokens (4 blocks), the newer one 9 (5)
+    sess = open_session(ckpt, block_size=2, num_blocks=5, chunk_size=2, max_batch=2)
+    old_p, new_p = prompts((3, 8), seed=17)
+    old = sess.add_request(old_p, greedy(6))
+    new = sess.add_request(new_p, greedy(2))
+    statuses = []
+    while not (old.is_done and new.is_done):
+        step = sess.step()
+        statuses.append((step.kind, old.status, new.status))
+        if new.status == "prefilling" and old.status == "decoding" and step.kind == "decode":
+            # the newer request's chunk found no block: it waited instead of preempting the older one
+            assert len(new.block_table) == 3
+    assert ("decode", "decoding", "prefilling") in statuses and ("decode", "decoding", "waiting") in statuses
+    assert old.num_preemptions == 0 and new.num_preemptions >= 1
+    want = open_session(ckpt, num_blocks=512).generate([old_p, new_p], [greedy(6), greedy(2)], progress=False)
+    assert [old.output_token_ids, new.output_token_ids] == [list(c.token_ids) for c in want]
+    assert_no_leaks(sess)
+
+
 def test_out_of_blocks_only_when_one_request_alone_cannot_fit(ckpt):
     sess = open_session(ckpt, block_size=4, num_blocks=5)
     running = sess.add_request(prompts((6,), seed=13)[0], greedy(4))

@@ -1,9 +1,9 @@
 """sess.attention: probabilities rebuilt from the paged cache against a dense HF eager forward."""
 import pytest
 import torch
+from research_kit import greedy, hf_model, make_ckpt, open_session, run_forced, sequences
 
 from qwen_npu import InvalidRequestError
-from research_kit import greedy, hf_model, make_ckpt, open_session, run_forced, sequences
 
 PROB_TOL = 1e-5
 

@@ -2,10 +2,10 @@
 import types
 
 import pytest
+from research_kit import greedy, make_ckpt, open_session, sequences
 
 import qwen_npu
 from qwen_npu import InvalidRequestError
-from research_kit import greedy, make_ckpt, open_session, sequences
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """sess.fork(): branches share KV blocks copy-on-write; writes never leak; nothing leaks at the end."""
 import pytest
+from research_kit import greedy, make_ckpt, open_session, sequences
 
 from qwen_npu import InvalidRequestError, SamplingParams
-from research_kit import greedy, make_ckpt, open_session, sequences
 
 BS = 4
 

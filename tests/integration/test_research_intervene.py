@@ -1,10 +1,10 @@
 """sess.intervene: an edit inside the block changes the logits exactly as in a dense reference."""
 import pytest
 import torch
+from research_kit import TOL, greedy, hf_activations, make_ckpt, open_session, sequences
 
 from qwen_npu import InvalidRequestError
 from qwen_npu.research import add, zero, zero_heads
-from research_kit import TOL, greedy, hf_activations, make_ckpt, open_session, sequences
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_zeroing_a_layers_attention_output_matches_hf_and_does_not_persist(ckpt)
     prompts = sequences([7, 4], seed=11)
     sess = open_session(ckpt, chunk_size=64)
     forced = [17, 23]
-    reqs, first, second = prefill_then_decode(sess, prompts, forced, edit=("layers.1.attn.out", zero()))
+    _, first, second = prefill_then_decode(sess, prompts, forced, edit=("layers.1.attn.out", zero()))
     for row, (p, tok) in enumerate(zip(prompts, forced)):
         n = len(p)
 
@@ -56,7 +56,7 @@ def test_only_the_chosen_requests_and_positions_are_edited(ckpt):
     sess = open_session(ckpt, chunk_size=64)
     sess.add_request([3, 4, 5], greedy(1))                     # request 0: not edited either
     sess.step()
-    reqs, got, _ = prefill_then_decode(sess, prompts, [1, 2], edit=("layers.0.residual", zero()),
+    _, got, _ = prefill_then_decode(sess, prompts, [1, 2], edit=("layers.0.residual", zero()),
                                        requests=[1], positions=[2])
     assert torch.equal(got[1], want[1])                        # request 2: untouched
     assert (got[0] - want[0]).abs().max() > 1e-3               # request 1, position 2: edited

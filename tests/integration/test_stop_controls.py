@@ -73,8 +73,8 @@ def test_min_new_tokens_masks_stop_ids_in_the_sampler(ids_sess):
     stopped = ids_sess.generate([1, 2, 3, 4], SamplingParams(max_new_tokens=4, stop_token_ids=[t0]),
                                 progress=False)[0]
     assert stopped.token_ids == (t0,) and stopped.stop_reason == t0
-    held = ids_sess.generate([1, 2, 3, 4], SamplingParams(max_new_tokens=4, stop_token_ids=[t0], min_new_tokens=3),
-                             progress=False)[0]
+    held = ids_sess.generate([1, 2, 3, 4], SamplingParams(max_new_tokens=4, stop_token_ids=[t0],
+                                                          min_new_tokens=3), progress=False)[0]
     assert t0 not in held.token_ids[:3] and len(held.token_ids) >= 3
     # the step's logits themselves are untouched: the mask lives in a copy
     step = ids_sess.history[-1]
@@ -91,7 +91,8 @@ def test_bad_sampling_params_are_refused(kw, field):
 
 
 def test_checkpoint_dependent_checks_refuse_before_any_state_changes(ids_sess):
-    for sp, what in ((SamplingParams(stop="x"), "no tokenizer"), (SamplingParams(stop_token_ids=[600]), "vocabulary"),
+    for sp, what in ((SamplingParams(stop="x"), "no tokenizer"),
+                     (SamplingParams(stop_token_ids=[600]), "vocabulary"),
                      (SamplingParams(logprobs=513), "vocabulary")):
         with pytest.raises(InvalidRequestError, match=what):
             ids_sess.add_request([1, 2], sp)

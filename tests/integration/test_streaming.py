@@ -59,14 +59,16 @@ def test_stream_holds_back_a_possible_stop_string(sess):
 
 
 def test_breaking_out_of_a_stream_aborts_its_requests(sess):
-    for ev in sess.stream(["a", "b"], SamplingParams(max_new_tokens=10, ignore_eos=True)):
-        break
+    events = sess.stream(["a", "b"], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    next(events)
+    events.close()
     assert [r.status for r in sess.requests] == ["aborted", "aborted"]
     sess.generate("still usable", SamplingParams(max_new_tokens=2), progress=False)
 
 
 def test_stream_without_tokenizer_yields_token_ids(tiny_ckpt_small_vocab):
-    s = Session.from_pretrained(tiny_ckpt_small_vocab, device="cpu", max_batch=2, num_blocks=32, max_model_len=64)
+    s = Session.from_pretrained(tiny_ckpt_small_vocab, device="cpu", max_batch=2, num_blocks=32,
+                                max_model_len=64)
     events = list(s.stream([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True)))
     assert [t for e in events for t in e.token_ids] == s.requests[0].output_token_ids
     assert all(e.text == "" for e in events) and events[-1].finished

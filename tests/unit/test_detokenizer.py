@@ -49,7 +49,8 @@ def test_finish_flushes_an_incomplete_tail(tok):
 
 
 @pytest.mark.parametrize("text, stops, held", [
-    ("hello wor", ["world"], 3), ("hello", ["world"], 0), ("ab", ["abc", "b"], 2), ("xx", ["xx"], 2), ("", ["a"], 0),
+    ("hello wor", ["world"], 3), ("hello", ["world"], 0), ("ab", ["abc", "b"], 2), ("xx", ["xx"], 2),
+    ("", ["a"], 0),
 ])
 def test_pending_stop_prefix(text, stops, held):
     assert pending_stop_prefix(text, stops) == held

@@ -19,7 +19,8 @@ def test_report_lists_versions_devices_and_session_choice():
     ok, reason = npu_status()
     if not ok:
         assert r["npu devices"] == reason
-        want = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        cuda = torch.cuda.is_available()
+        want = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         kernels = resolve_kernels("auto", want)
         assert f"device={want}, kernels={kernels}," in r["session default"]
         assert r["cpu kernels"].startswith("usable" if kernels == "cpu" else ("usable", "not usable"))

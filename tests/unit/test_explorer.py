@@ -4,8 +4,8 @@ from views_kit import small_session
 
 pytest.importorskip("ipywidgets")
 
-from qwen_npu.inspect import explore  # noqa: E402
-from qwen_npu.inspect.explorer import parse_prompt  # noqa: E402
+from qwen_npu.inspect import explore
+from qwen_npu.inspect.explorer import parse_prompt
 
 
 @pytest.fixture

@@ -6,12 +6,18 @@ from views_kit import run_two_requests, small_session
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
-from qwen_npu import InvalidRequestError, SamplingParams  # noqa: E402
-from qwen_npu.inspect import (kv_norms, plot_cache_occupancy, plot_kv_norms, plot_rows_per_step,  # noqa: E402
-                              plot_step_timings, plot_topk)
+from qwen_npu import InvalidRequestError, SamplingParams
+from qwen_npu.inspect import (
+    kv_norms,
+    plot_cache_occupancy,
+    plot_kv_norms,
+    plot_rows_per_step,
+    plot_step_timings,
+    plot_topk,
+)
 
 
 @pytest.fixture(scope="module")

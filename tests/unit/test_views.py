@@ -38,7 +38,7 @@ def test_healthy_session_view_shows_model_cache_requests_and_last_step(tiny_ckpt
     assert "3 used, 1 cached, 28 free of 32 blocks" in text
     assert "requests: 1 decoding, 1 finished" in text
     assert "    000c" + "." * 28 in text                  # the block grid: owner digit per block
-    assert f"steps: 3; last step: step 2 (decode): 2 rows, 2 tokens" in text
+    assert "steps: 3; last step: step 2 (decode): 2 rows, 2 tokens" in text
     for rid in (0, 1):
         assert f">r{rid}</span>" in html
     assert html.count("block 0 (slots 0..3): used, ref count 1, requests 0") == 1

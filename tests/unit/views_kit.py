@@ -11,7 +11,8 @@ from qwen_npu import SamplingParams
 
 
 def small_session(ckpt, **kw):
-    opts = dict(max_batch=4, block_size=4, num_blocks=32, max_model_len=64, chunk_size=8)
+    opts = {"max_batch": 4, "block_size": 4, "num_blocks": 32, "max_model_len": 64, "chunk_size": 8,
+            "kernels": "reference"}
     opts.update(kw)
     return qwen_npu.Session.from_pretrained(ckpt, **opts)
 
