@@ -86,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if rows > MAX_KERNEL_ROWS:
         return F.linear(x.float(), weight.float()).to(x.dtype)
-    return ops().linear(x, weight, PANEL_ROWS)
+    return ops().linear(x, weight, PANEL_ROWS, 256, 0)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -89,13 +89,14 @@ inline void linear_rows(const float* x, int64_t M, int64_t K, const W* w, float*
 // small fp32 panel [KC][16] (in L1), so each x value is broadcast against 16 outputs at once
 // and every widened weight serves all M rows.
 constexpr int PANEL = 16;
-constexpr int64_t KC = 256;
 
 template <typename W>
-inline void pack_panel(const W* w, int64_t ldw, int64_t k0, int64_t kc, float* buf) {
+inline void pack_panel(const W* w, int64_t ldw, int64_t k0, int64_t kc, float* buf, int64_t prefetch) {
   // buf[k][r] = w[r][k0 + k] for r < 16: 8 x 8 transposes in registers
   for (int64_t k = 0; k < kc; k += 8) {
     for (int r0 = 0; r0 < PANEL; r0 += 8) {
+      if (prefetch && (k % 32) == 0)
+        for (int r = 0; r < 8; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + r) * ldw + k0 + k + prefetch), _MM_HINT_T0);
       __m256 row[8];
       for (int r = 0; r < 8; ++r) row[r] = load8(w + (r0 + r) * ldw + k0 + k);
       __m256 t0 = _mm256_unpacklo_ps(row[0], row[1]), t1 = _mm256_unpackhi_ps(row[0], row[1]);
@@ -152,7 +153,7 @@ inline void panel_tile(const float* x, int64_t ldx, const float* buf, int64_t kc
 
 template <typename W>
 void linear_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw, int64_t panels, float* y,
-                   int64_t ldy) {
+                   int64_t ldy, int64_t KC, int64_t prefetch) {
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> buf(KC * PANEL);
     for (int64_t p = p0; p < p1; ++p) {
@@ -160,7 +161,7 @@ void linear_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw
       float* yp = y + p * PANEL;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        pack_panel(wp, ldw, k0, kc, buf.data());
+        pack_panel(wp, ldw, k0, kc, buf.data(), prefetch);
         const float* xk = x + k0;
         const bool acc = k0 > 0;
         int64_t m = 0;
@@ -200,17 +201,18 @@ void linear_dots(const float* x, int64_t M, int64_t K, const W* w, int64_t n_beg
 }
 
 template <typename W>
-void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows) {
+void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows,
+                 int64_t KC, int64_t prefetch) {
   int64_t done = 0;
   if (M >= panel_rows && K % 8 == 0) {
     const int64_t panels = N / PANEL;
-    linear_panels(x, M, K, w, K, panels, y, N);
+    linear_panels(x, M, K, w, K, panels, y, N, KC, prefetch);
     done = panels * PANEL;
   }
   if (done < N) linear_dots(x, M, K, w, done, N, y);
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t panel_rows) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t panel_rows, int64_t KC, int64_t prefetch) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu linear: tensors must be on the cpu");
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "cpu linear: x [..., K] and w [N, K] disagree: ",
               x.sizes(), " vs ", w.sizes());
@@ -223,9 +225,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t panel_rows) {
   auto y = torch::empty({M, N}, x2.options());                   // [M, N] fp32
   if (M > 0) {
     if (wc.scalar_type() == at::kBFloat16)
-      linear_impl(x2.data_ptr<float>(), M, K, wc.data_ptr<at::BFloat16>(), N, y.data_ptr<float>(), panel_rows);
+      linear_impl(x2.data_ptr<float>(), M, K, wc.data_ptr<at::BFloat16>(), N, y.data_ptr<float>(), panel_rows, KC, prefetch);
     else
-      linear_impl(x2.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, y.data_ptr<float>(), panel_rows);
+      linear_impl(x2.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, y.data_ptr<float>(), panel_rows, KC, prefetch);
   }
   auto sizes = x.sizes().vec();
   sizes.back() = N;

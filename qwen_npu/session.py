@@ -403,7 +403,8 @@ class Session:
     def kv(self):
         """The KV cache: live ``key(layer)``/``value(layer)``, ``read(request, position, layer)``, ``slot(s)``."""
         from .inspect.kv import KVView
-        return KVView(self._engine, self._requests)
+        from .research.fork import visible_requests
+        return KVView(self._engine, visible_requests(self))
 
     def check(self):
         """Sweep every cache invariant (blocks, tables, live slots, ledger collisions, non-finite K/V)."""
@@ -413,16 +414,8 @@ class Session:
 
     def audit(self, request, *, tol: float | None = None):
         """Recompute ``request``'s K/V densely from its tokens and compare with its slots, per layer."""
-        from .inspect.audit import audit_kv
-        kv = self.kv
-        req = kv._request(request)
-        n = req.num_computed_tokens
-        if n:
-            kv.slot_of(req, n - 1)                # refuses requests that hold no computed tokens
-        else:
-            raise InvalidRequestError(f"request {req.id} is {req.status} with no computed tokens: nothing to audit")
-        return audit_kv(self.model, self._engine.kv_cache, req.id, req.all_token_ids[:n],
-                        self._engine.manager.block_table(req.id), tol)
+        from .inspect.audit import audit_request
+        return audit_request(self.kv, self.model, request, tol)
 
     def emulate_faults(self, model: str | None):
         """Turn on an EMULATION of what racing writes to one slot may leave on hardware, or None for off.

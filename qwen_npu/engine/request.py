@@ -48,7 +48,7 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is not None and not isinstance(self.stop, tuple):
+        elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         self.validate()
 
@@ -65,7 +65,8 @@ class SamplingParams:
             bad("top_p", "must be in (0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad("seed", "must be None or an int >= 0")
-        if self.stop is not None and not all(isinstance(x, str) and x for x in self.stop):
+        if self.stop is not None and (not isinstance(self.stop, tuple)
+                                      or not all(isinstance(x, str) and x for x in self.stop)):
             bad("stop", "must be a non-empty string or a list of them")
         if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", f"must be an int in 0..max_new_tokens ({self.max_new_tokens})")

@@ -24,6 +24,7 @@ import dataclasses
 import torch
 
 from ..cache.kv_cache import KVCache
+from ..errors import InvalidRequestError
 from ..kernels.metadata import AttentionMetadata
 
 SHOWN = 20
@@ -133,6 +134,20 @@ def recompute_kv(model, token_ids: list[int], block_size: int) -> KVCache:
         model(torch.tensor(token_ids, dtype=torch.int64).to(device), meta, scratch.layers(),
               torch.tensor([n - 1], dtype=torch.int64).to(device))
     return scratch
+
+
+def audit_request(kv, model, request, tol: float | None = None) -> AuditReport:
+    """Audit a running ``request`` (Request or id) of the cache behind ``kv`` (a KVView).
+
+    Refuses, with InvalidRequestError and before any work, a request that holds no computed token.
+    """
+    req = kv._request(request)
+    n = req.num_computed_tokens
+    if not n:
+        raise InvalidRequestError(f"request {req.id} is {req.status} with no computed tokens: nothing to audit")
+    kv.slot_of(req, n - 1)                               # refuses requests whose blocks were freed
+    engine = kv._engine
+    return audit_kv(model, engine.kv_cache, req.id, req.all_token_ids[:n], engine.manager.block_table(req.id), tol)
 
 
 def audit_kv(model, kv_cache: KVCache, request_id: int, token_ids: list[int], block_table: list[int],

@@ -116,7 +116,11 @@ class Explorer:
     # ---- views ---------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Redraw everything from the session's current state."""
-        self.session_view.value = take_session(self.session)._repr_html_()
+        try:
+            self.session_view.value = take_session(self.session)._repr_html_()
+        except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
+            self.session_view.value = h.bad_line(f"cannot draw the session: {e}")
+            return
         n = len(self.session.history)
         self.history.max = max(0, n - 1)
         self.history.disabled = n == 0

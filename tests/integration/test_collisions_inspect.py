@@ -144,7 +144,8 @@ def test_check_reports_non_finite_values_where_they_are(sess):
 def test_non_finite_logits_are_flagged_naming_the_request(sess):
     a, b = two_decoding(sess)
     slot = sess.kv.slot_of(b, 2)
-    sess.kv.key(0)[slot // BS, slot % BS] = float("nan")
+    sess.kv.key(0)[slot // BS, slot % BS] = float("nan")      # a torn slot: K and V both garbage
+    sess.kv.value(0)[slot // BS, slot % BS] = float("nan")
     step = sess.decode_step()
     with pytest.warns(StreamHealthWarning, match=f"step {step.index}: request {b.id}: non-finite logits"):
         sess.sample(step)
@@ -163,3 +164,17 @@ def test_all_zero_logits_are_flagged_naming_the_request(sess):
     sess.sample(sess.decode_step())                          # healthy again: nothing flagged
     assert sess.last_step.health == []
     assert torch.isfinite(sess.last_step.logits.tensor).all()
+
+
+def test_check_audit_and_slots_see_every_branch_after_a_fork(sess):
+    a, b = two_decoding(sess)
+    child = sess.fork()
+    for s in (sess, child):
+        s.sample(s.decode_step())
+        report = s.check()
+        assert report.ok, report
+    a2 = child.requests[0]
+    assert child.audit(a2).ok and sess.audit(a).ok
+    shared = sess.kv.slot_of(a, 0)                           # a full prefix block, now held by both
+    assert child.kv.slot_of(a2, 0) == shared
+    assert set(sess.kv.slot(shared).held_by) == {(a.id, 0), (a2.id, 0)}

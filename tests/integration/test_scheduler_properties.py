@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_kit import assert_no_leaks, live_slot_problems
-from qwen_npu import OutOfBlocksError, SamplingParams, Session
+from qwen_npu import InvalidRequestError, OutOfBlocksError, SamplingParams, Session
 
 MAX_MODEL_LEN = 16
 
@@ -67,8 +67,8 @@ def one_step(sess: Session, abort_before_sample: int | None) -> None:
     if any(r.status in ("waiting", "prefilling") for r in sess.requests):
         try:
             step = sess.prefill()
-        except Exception:
-            # a waiting request that cannot be admitted yet: nothing to prefill this time
+        except InvalidRequestError:
+            # no prompt can make progress now (no room): the decoding requests hold the blocks
             step = sess.decode_step()
     else:
         step = sess.decode_step()

@@ -83,7 +83,8 @@ def test_min_new_tokens_masks_stop_ids_in_the_sampler(ids_sess):
 
 @pytest.mark.parametrize("kw, field", [
     ({"min_new_tokens": 5, "max_new_tokens": 4}, "min_new_tokens"), ({"stop": ""}, "stop"),
-    ({"stop": ["a", 3]}, "stop"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"stop": ["a", 3]}, "stop"), ({"stop": 3}, "stop"), ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
 ])
 def test_bad_sampling_params_are_refused(kw, field):
     with pytest.raises(InvalidRequestError, match=f"SamplingParams.{field}"):

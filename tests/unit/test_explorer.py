@@ -101,3 +101,12 @@ def test_refresh_picks_up_code_driven_steps_and_the_bundle_is_stable(explorer):
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert bundle["text/plain"] == repr(ex) == ("Explorer(session with 1 requests, 1 steps in history; "
                                                 "display it in a notebook to use the buttons)")
+
+
+def test_a_closed_session_is_reported_not_raised(explorer):
+    ex, sess = explorer, explorer.session
+    sess.close()
+    ex.refresh_button.click()
+    assert "cannot draw the session: session is closed" in ex.session_view.value
+    ex.step_button.click()
+    assert "step failed: InvalidRequestError" in ex.message.value and "session is closed" in ex.message.value

@@ -196,3 +196,13 @@ def test_topk_counts_its_transfer_and_refuses_stale_logits(tiny_ckpt_small_vocab
     sess.step()
     with pytest.raises(InvalidRequestError, match="stale"):
         topk(step, 3)
+
+
+def test_a_large_cache_draws_its_leading_blocks_only(tiny_ckpt_small_vocab):
+    sess = small_session(tiny_ckpt_small_vocab, num_blocks=300)
+    sess.add_request(list(range(1, 40)), SamplingParams(max_new_tokens=2))
+    sess.step()                                               # 8 tokens of 39: blocks 0 and 1
+    text, html = views(sess)
+    assert "(blocks 32..299 not drawn)" in text
+    assert "blocks 32..299 not drawn: free 268" in html
+    assert html.count('title="block ') == 32

@@ -35,6 +35,9 @@ def device_tensors(sess) -> list[torch.Tensor]:
     return outs + list(engine.kv_cache.keys) + list(engine.kv_cache.values)
 
 
+METADATA = {"__get__", "size", "dim", "numel", "element_size", "stride", "storage_offset", "is_contiguous"}
+
+
 class _Reads(TorchFunctionMode):
     def __init__(self, watched):
         super().__init__()
@@ -43,14 +46,18 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         for a in list(args) + list((kwargs or {}).values()):
+            name = getattr(func, "__name__", str(func))
+            if name in METADATA:
+                continue                                       # shape, dtype, device: no data read
             if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.ptrs:
-                self.hits.append(getattr(func, "__name__", str(func)))
+                self.hits.append(name)
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def watch_device_reads(sess):
-    """Collects the names of torch calls that touch an output buffer or the KV cache."""
+    """Collects the names of torch calls that read data of an output buffer or the KV cache
+    (metadata such as shape, dtype and device is not a read)."""
     mode = _Reads(device_tensors(sess))
     with mode:
         yield mode.hits

@@ -1,0 +1,265 @@
+"""`qwen-npu bench`: run a shared workload through a Session and report how fast it went.
+
+    load the checkpoint ─> 4-token warm-up ─> [timed] every request of the workload, added at
+    once, stepped with ``Session.step()`` until all finish ─> decode probes at batch 1 and 16
+    ─> (--compare hf) the same workload through Hugging Face ``generate``
+
+Greedy, EOS ignored (each request produces exactly its count), ``max_batch`` 16,
+``max_model_len`` 2048. ``seconds`` is the timed part only. The default checkpoint has the
+shapes of Qwen3-0.6B with random bf16 weights; it is written once into a cache folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import device as devices
+from . import workloads
+from .engine.request import SamplingParams
+from .errors import InvalidRequestError
+
+MAX_BATCH = 16
+MAX_MODEL_LEN = 2048
+WARMUP_PROMPT, WARMUP_TOKENS = 32, 4
+PROBE_CONTEXT, PROBE_STEPS = 128, 8
+QWEN3_06B_SHAPE = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, max_position_embeddings=40960,
+                       tie_word_embeddings=True)
+
+
+def default_model_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "qwen-npu" / "qwen3-0.6b-random"
+
+
+def ensure_default_model(path: Path | None = None, *, log=None) -> Path:
+    """The Qwen3-0.6B-shaped random bf16 checkpoint at ``path``, written there first if missing.
+
+    Written into a sibling folder and renamed, so an interrupted write never leaves a partial
+    checkpoint behind. Uses the real Qwen3 tokenizer when it is installed, else token ids only.
+    """
+    path = Path(path or default_model_dir())
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
+    from .testing import make_tiny_qwen3, tokenizer_files_dir
+    try:
+        tokenizer_files_dir()
+        vocab = None
+    except FileNotFoundError:
+        vocab = 151936
+    if log:
+        log(f"writing a Qwen3-0.6B-shaped random bf16 checkpoint to {path} (once)")
+    tmp = path.with_name(path.name + f".partial-{os.getpid()}")
+    make_tiny_qwen3(tmp, vocab_size=vocab, dtype=torch.bfloat16, **QWEN3_06B_SHAPE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, path)
+    return path
+
+
+def _peak_rss() -> int:
+    """Peak resident memory of this process in bytes (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run_workload(sess, work: workloads.Workload) -> dict:
+    """Add every request of ``work`` at once and step until all finish; figures of the run."""
+    reqs = [sess.add_request(list(p), _greedy(n)) for p, n in work]
+    prefill_s = prefill_tokens = d2h = h2d = 0
+    decode: dict[int, list[float]] = {}
+    t0 = time.perf_counter()
+    while not all(r.is_done for r in reqs):
+        ts = time.perf_counter()
+        step = sess.step()
+        dt = time.perf_counter() - ts
+        d2h += step.transfers["d2h"]
+        h2d += step.transfers["h2d"]
+        if step.kind == "prefill":
+            prefill_s += dt
+            prefill_tokens += int(step.query_lens.sum())
+        else:
+            decode.setdefault(step.batch_size, []).append(dt)
+    seconds = time.perf_counter() - t0
+    n_in = sum(len(p) for p, _ in work)
+    n_out = sum(len(r.output_token_ids) for r in reqs)
+    full = decode.get(MAX_BATCH, [])
+    return {
+        "seconds": round(seconds, 3), "out_tokens": n_out, "prompt_tokens": n_in,
+        "out_tok_s": round(n_out / seconds, 2), "total_tok_s": round((n_in + n_out) / seconds, 2),
+        "prefill_tokens": prefill_tokens, "prefill_s": round(prefill_s, 3),
+        "prefill_tok_s": round(prefill_tokens / prefill_s, 1) if prefill_s else None,
+        "decode_steps": sum(len(v) for v in decode.values()), "decode_s": round(sum(map(sum, decode.values())), 3),
+        "decode_ms_workload_b16": round(1e3 * statistics.median(full), 2) if full else None,
+        "d2h_bytes_per_token": round(d2h / max(n_out, 1), 2), "h2d_bytes_per_token": round(h2d / max(n_out, 1), 2),
+    }
+
+
+def decode_probe(sess, batch: int, *, context: int = PROBE_CONTEXT, steps: int = PROBE_STEPS) -> float:
+    """Median milliseconds of a decode step with ``batch`` rows at a context of ``context``..
+
+    The rows share one prompt (with the prefix cache on, it is computed once).
+    """
+    sess.reset()
+    prompt = workloads.custom(context, 1, n=1)[0][0]
+    reqs = [sess.add_request(prompt, _greedy(steps + 1)) for _ in range(batch)]
+    times = []
+    while not all(r.is_done for r in reqs):
+        ts = time.perf_counter()
+        step = sess.step()
+        if step.kind == "decode" and step.batch_size == batch:
+            times.append(time.perf_counter() - ts)
+    sess.reset()
+    return round(1e3 * statistics.median(times), 2)
+
+
+def _blocks_for(work: workloads.Workload, block_size: int, max_batch: int) -> int:
+    """Enough KV blocks for the ``max_batch`` longest requests at once, plus a little slack."""
+    longest = sorted((-(-(len(p) + n) // block_size) for p, n in work), reverse=True)
+    return sum(longest[:max_batch]) + max_batch + 8
+
+
+def run_bench(work="mixed", *, model=None, compare: str | None = None, device: str = "auto",
+              kernels: str = "auto", prefix_cache: bool = True, probes: bool = True, log=None) -> dict:
+    """Load, warm up and time ``work`` (a workload name or a list of (prompt ids, new tokens)).
+
+    Returns a flat dict: the run's figures (``seconds``, ``out_tokens``, ``out_tok_s``,
+    ``total_tok_s``, prefill and decode figures, ``peak_rss_bytes``, transfers per token), the
+    setup, and with ``compare="hf"`` the Hugging Face figures under ``hf`` plus ``hf_ratio``
+    (Hugging Face seconds / ours: above 1 means faster than Hugging Face).
+    """
+    from .session import Session
+    if compare not in (None, "hf"):
+        raise InvalidRequestError(f"compare={compare!r}: the only comparison built in is 'hf'")
+    name = work if isinstance(work, str) else "custom"
+    if isinstance(work, str):
+        work = workloads.get_workload(work)
+    if not work:
+        raise InvalidRequestError("the workload is empty")
+    path = Path(model) if model is not None else ensure_default_model(log=log)
+    block_size = devices.default_block_size(devices.resolve_device(device))
+    num_blocks = max(_blocks_for(work, block_size, MAX_BATCH), MAX_BATCH * (PROBE_CONTEXT // block_size + 2))
+    t0 = time.perf_counter()
+    sess = Session.from_pretrained(path, device=device, max_batch=MAX_BATCH, max_model_len=MAX_MODEL_LEN,
+                                   kernels=kernels, prefix_cache=prefix_cache, num_blocks=num_blocks)
+    load_s = time.perf_counter() - t0
+    cfg = sess.config
+    t0 = time.perf_counter()
+    sess.generate([work[0][0][:WARMUP_PROMPT]], _greedy(WARMUP_TOKENS), progress=False)
+    warmup_s = time.perf_counter() - t0
+    if log:
+        log(f"loaded {path} in {load_s:.1f} s ({cfg.dtype}, {cfg.device}, kernels {cfg.kernels}); running "
+            f"{name}: {len(work)} requests")
+    result = {"engine": "qwen-npu", "workload": name, **run_workload(sess, work)}
+    if probes:
+        result["decode_ms_b1"] = decode_probe(sess, 1)
+        result["decode_ms_b16"] = decode_probe(sess, MAX_BATCH)
+        result["probe_context"] = PROBE_CONTEXT
+    result.update(peak_rss_bytes=_peak_rss(), load_s=round(load_s, 2), warmup_s=round(warmup_s, 2),
+                  model=str(path), device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels,
+                  prefix_cache=cfg.prefix_cache, threads=torch.get_num_threads(), requests=len(work))
+    if sess.model.device.type == "cuda":
+        result["peak_device_bytes"] = torch.cuda.max_memory_allocated(sess.model.device)
+    device_used = cfg.device
+    sess.close()
+    if compare == "hf":
+        from .bench_hf import run_hf_generate
+        if log:
+            log("running the same workload through Hugging Face generate")
+        result["hf"] = run_hf_generate(path, work, device=device_used, workload=name)
+        result["hf_ratio"] = round(result["hf"]["seconds"] / result["seconds"], 2)
+    return result
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
+
+
+def format_text(r: dict) -> str:
+    """The human-readable report of a ``run_bench`` result."""
+    def ms(v):
+        return "n/a" if v is None else f"{v:.1f} ms"
+    lines = [
+        f"qwen-npu bench: workload {r['workload']} ({r['requests']} requests, {r['prompt_tokens']} prompt + "
+        f"{r['out_tokens']} output tokens)",
+        f"  model      {r['model']} ({r['dtype']}, {r['device']}, kernels {r['kernels']}, {r['threads']} threads, "
+        f"prefix cache {'on' if r['prefix_cache'] else 'off'})",
+        f"  load       {r['load_s']:.1f} s, warm-up {r['warmup_s']:.2f} s (not counted)",
+        f"  total      {r['seconds']:.2f} s: {r['out_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s",
+        f"  prefill    {r['prefill_tokens']} tokens computed in {r['prefill_s']:.2f} s: "
+        f"{r['prefill_tok_s'] or 0:.1f} tok/s",
+        f"  decode     {r['decode_steps']} steps in {r['decode_s']:.2f} s; median step at batch 16 in the "
+        f"workload {ms(r['decode_ms_workload_b16'])}",
+    ]
+    if "decode_ms_b1" in r:
+        lines.append(f"  decode     per step at context {r['probe_context']}: batch 1 {ms(r['decode_ms_b1'])}, "
+                     f"batch 16 {ms(r['decode_ms_b16'])}")
+    mem = f"  memory     peak resident {_gib(r['peak_rss_bytes'])}"
+    if "peak_device_bytes" in r:
+        mem += f", peak device {_gib(r['peak_device_bytes'])}"
+    lines += [mem, f"  transfers  {r['d2h_bytes_per_token']:.1f} B device-to-host per generated token "
+                   f"({r['h2d_bytes_per_token']:.1f} B host-to-device)"]
+    if "hf" in r:
+        hf = r["hf"]
+        ratio = r["hf_ratio"]
+        verdict = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+        lines.append(f"  vs hf      generate (groups of 16, left padding, static cache): {hf['seconds']:.2f} s, "
+                     f"{hf['out_tok_s']:.1f} output tok/s -> qwen-npu is {verdict}")
+    return "\n".join(lines)
+
+
+def add_bench_parser(subparsers) -> None:
+    """Register ``bench`` on the ``qwen-npu`` command's subparsers."""
+    p = subparsers.add_parser("bench", help="time a shared workload (mixed, seed or custom lengths)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=sorted(workloads.WORKLOADS),
+                   help="shared workload (default: mixed, or custom when lengths are given)")
+    p.add_argument("--model", help=f"checkpoint folder (default: {default_model_dir()}, made on first use)")
+    p.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same work")
+    p.add_argument("--json", action="store_true", help="print one compact JSON line instead of text")
+    p.add_argument("--prompt-len", type=int, help="custom workload: tokens per prompt")
+    p.add_argument("--output-len", type=int, help="custom workload: new tokens per request")
+    p.add_argument("--num-requests", type=int, default=16, help="custom workload: requests (default 16)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | npu[:N]")
+    p.add_argument("--kernels", default="auto", help="auto | reference | cpu | npu")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--no-probes", action="store_true", help="skip the batch-1 / batch-16 decode probes")
+    p.set_defaults(handler=bench_command)
+
+
+def bench_command(args) -> int:
+    """Handler of ``qwen-npu bench``: prints the report (or one JSON line); returns the exit code."""
+    custom = args.prompt_len is not None or args.output_len is not None
+    if custom and args.workload:
+        raise SystemExit("qwen-npu bench: give --workload or --prompt-len/--output-len, not both")
+    if custom:
+        if not (args.prompt_len and args.output_len and args.num_requests) or min(
+                args.prompt_len, args.output_len, args.num_requests) < 1:
+            raise SystemExit("qwen-npu bench: a custom workload needs --prompt-len, --output-len and "
+                             "--num-requests, each >= 1")
+        work = workloads.custom(args.prompt_len, args.output_len, n=args.num_requests)
+    else:
+        work = args.workload or "mixed"
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+    try:
+        result = run_bench(work, model=args.model, compare=args.compare, device=args.device, kernels=args.kernels,
+                           prefix_cache=not args.no_prefix_cache, probes=not args.no_probes,
+                           log=None if args.json else log)
+    except InvalidRequestError as e:
+        raise SystemExit(f"qwen-npu bench: {e}") from None
+    print(json.dumps(result, separators=(",", ":")) if args.json else format_text(result), flush=True)
+    return 0
