@@ -5,13 +5,14 @@ path (well under 10 GFLOP/s on two cores). This set keeps bf16 storage (weights 
 but does all arithmetic in fp32:
 
     function         how                                              vs reference
-    linear           few rows (decode, LM head): C++ kernel that       fp32 accumulation instead
-                       reads each bf16 weight row once and widens it    of bf16 products
-                       in registers; many rows (prefill chunks): the
-                       weights widened to fp32 and multiplied by MKL
-    paged_attention  C++: each token reads only its own visible       fp32 scores and softmax
-                       context through the block table (no gather,
-                       no padding to the longest row), fp32 softmax
+    linear           C++ (csrc/linear.cpp): bf16 weights widened in   fp32 accumulation instead
+                       registers; few rows (decode, LM head) stream     of bf16 products
+                       each weight row once, many rows (prefill) run
+                       a 6 x 16 register tile on transposed panels
+    paged_attention  C++ (csrc/attention.cpp): each token reads only  fp32 scores, softmax and
+                       its own visible context through the block        weighted sum
+                       table (no gather, no padding to the longest
+                       row); prefill tiles use a flash-style loop
     write_kv         C++: one copy per token, negative slots skipped  identical
     rms_norm, add_rms_norm, rope                                       the reference functions
 
@@ -19,14 +20,16 @@ float32 models use torch's float32 matrix products for ``linear`` (already fast)
 attention. Tolerances against the reference (tests/kernels/test_cpu.py): float32 atol = rtol
 = 1e-5; bfloat16 atol = rtol = 2e-2.
 
-The C++ source (``cpu_ops.cpp``) is compiled on first use with ``torch.utils.cpp_extension``
-(a C++ compiler and ninja are needed; the build is cached under ``TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions``). ``available()`` says whether this machine can use the set;
+The C++ sources (``csrc/``) are compiled on first use with ``torch.utils.cpp_extension`` (a C++
+compiler and ninja are needed; about a minute of one core). The build is cached under
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a folder named after a hash
+of the sources, so an edited source is rebuilt and never mixed with an old build. ``available()`` says whether this machine can use the set;
 ``kernels="auto"`` picks it on such a CPU and the reference set elsewhere.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -37,11 +40,12 @@ from . import reference
 from .metadata import AttentionMetadata
 
 NAME = "cpu"
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-# From this many x rows on, the weights are re-laid out in panels (see cpu_ops.cpp) ...
-PANEL_ROWS = 4
-# ... and past this many, the weights are widened to fp32 for MKL's matrix product instead.
-MAX_KERNEL_ROWS = 32
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("module.cpp", "linear.cpp", "attention.cpp")
+HEADERS = ("vec.h",)
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c")
+# From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).
+PANEL_ROWS = 16
 
 rms_norm = reference.rms_norm
 add_rms_norm = reference.add_rms_norm
@@ -75,18 +79,19 @@ def ops():
     if not ok:
         raise RuntimeError(f"the cpu kernel set cannot run here: {reason}")
     from torch.utils import cpp_extension
-    return cpp_extension.load(name="qwen_npu_cpu_ops", sources=[str(SOURCE)],
-                              extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for name in SOURCES + HEADERS:
+        digest.update((CSRC / name).read_bytes())
+    return cpp_extension.load(name=f"qwen_npu_cpu_{digest.hexdigest()[:12]}",
+                              sources=[str(CSRC / n) for n in SOURCES], extra_cflags=list(CFLAGS),
+                              extra_include_paths=[str(CSRC)], verbose=False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T -> [..., N] in x's dtype, accumulated in fp32."""
     if weight.dtype == torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight)
-    rows = x.numel() // x.shape[-1]
-    if rows > MAX_KERNEL_ROWS:
-        return F.linear(x.float(), weight.float()).to(x.dtype)
-    return ops().linear(x, weight, PANEL_ROWS, 256, 0)
+    return ops().linear(x, weight, PANEL_ROWS)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

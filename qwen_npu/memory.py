@@ -161,14 +161,18 @@ class ClosedSession:
 
 
 def close_session(sess) -> None:
-    """Free the session's device memory (weights, KV cache, buffers, live logits). Idempotent."""
+    """Free the session's device memory (weights, KV cache, buffers, live logits). Idempotent.
+    Forked branches share the engine, so they are closed with it."""
     if getattr(sess, "_closed", False):
         return
     engine, model = sess._engine, sess.model
     dev = model.device
-    for step in sess.history:
-        step.hidden = None
-    sess.history.clear()
+    branches = engine.branches.sessions() if getattr(engine, "branches", None) is not None else []
+    sessions = [sess] + [b for b in branches if b is not sess]
+    for s in sessions:
+        for step in s.history:
+            step.hidden = None
+        s.history.clear()
     for buf in engine.buffers._outputs.values():
         buf.generation += 1                     # live DeviceLogits handles now raise instead of reading
         buf.tensor = torch.empty(0)
@@ -179,11 +183,12 @@ def close_session(sess) -> None:
         if isinstance(value, torch.Tensor):
             setattr(model, name, None)
     model.layers = []
-    sess._generators.clear()
     closed = ClosedSession()
-    sess._engine = sess._scheduler = sess.model = closed
-    sess._closed = True
-    del engine, model
+    for s in sessions:
+        s._generators.clear()
+        s._engine = s._scheduler = s.model = closed
+        s._closed = True
+    del engine, model, sessions, branches
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

@@ -314,15 +314,12 @@ class Session:
         """Run ``prompts`` to completion with continuous batching; results in input order."""
         chat_kwargs = chat.template_kwargs(enable_thinking, chat_template_kwargs)
         reqs = self._add_batch(prompts, sampling, "generate", chat_kwargs)
-        bar = _progress(progress, sum(r.sampling.max_new_tokens for r in reqs))
-        done_tokens = 0
-        while not all(r.is_done for r in reqs):
-            self.step()
-            if bar is not None:
-                now = sum(len(r.output_token_ids) for r in reqs)
-                bar.update(now - done_tokens)
-                done_tokens = now
-        if bar is not None:
+        from .progress import StepProgress
+        bar = StepProgress(progress, reqs)           # prompt tokens prefilled + tokens generated
+        try:
+            while not all(r.is_done for r in reqs):
+                bar.update(self.step())
+        finally:
             bar.close()
         return [Completion.of(r) for r in reqs]
 
@@ -488,10 +485,3 @@ def _default_num_blocks(mc: ModelConfig, dtype, dev, max_batch, max_model_len, b
     else:
         budget = devices.free_memory(dev) // 2
     return max(per_seq, min(want, budget // per_block))
-
-
-def _progress(progress, total):
-    if progress is False:
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, unit="tok", desc="generate", leave=False)

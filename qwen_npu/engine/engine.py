@@ -101,7 +101,8 @@ class Engine:
             logits_request_ids=[plan.rows[r].request.id for r in plan.logits_rows],
             host_logits=host_logits, hidden=hidden_buf.tensor[:n_logits] if n_logits else None,
             timings=timings, transfers=transfers, slot_problems=problems, block_size=self.config.block_size,
-            cache_usage=self.cache_usage())
+            cache_usage=self.cache_usage(),
+            row_preemptions=[r.request.num_preemptions for r in plan.rows[:plan.num_active]])
 
     def cache_usage(self) -> dict:
         """Blocks by state now: used (held), cached (reusable prefix, ref count 0), free."""

@@ -99,6 +99,9 @@ class StepResult:
     slot_problems: list = dataclasses.field(default_factory=list)
     block_size: int | None = None                # the cache's block size (slot = block * block_size + offset)
     cache_usage: dict = dataclasses.field(default_factory=dict)   # blocks {"used", "cached", "free"} after the run
+    # per active row: its request's num_preemptions when the step ran (a change between two steps of a
+    # request means it was preempted in between and restarted with a new block table)
+    row_preemptions: list = dataclasses.field(default_factory=list)
 
     @property
     def sampled(self) -> bool:

@@ -149,10 +149,12 @@ def _append_only(history, manager, requests) -> list[str]:
     """Between two steps of one request, its table only grows, unless it restarted (preempted)."""
     out = []
     last: dict[int, tuple[int, list[int], int]] = {}     # request -> (step, table, end position)
+    restarts: dict[int, int] = {}                        # request -> num_preemptions at its last step
     for step in history:
         qls = step.query_lens.tolist()
         pos = step.positions.tolist()
         ids = step.request_ids
+        preempted = getattr(step, "row_preemptions", None) or [None] * step.num_active
         t = 0
         for row in range(step.num_active):
             start, end = pos[t], pos[t + qls[row] - 1] + 1     # every row computes at least one token
@@ -160,14 +162,18 @@ def _append_only(history, manager, requests) -> list[str]:
             rid = ids[row]
             table = [b for b in step.block_tables[row].tolist() if b >= 0]
             prev = last.get(rid)
-            if prev is not None and start >= prev[2] and table[:len(prev[1])] != prev[1]:
+            restarted = preempted[row] is not None and restarts.get(rid, preempted[row]) != preempted[row]
+            if prev is not None and not restarted and start >= prev[2] and table[:len(prev[1])] != prev[1]:
                 out.append(f"request {rid}: its block table was {prev[1]} in step {prev[0]} but {table} in "
                            f"step {step.index} (tables are append-only while a request runs)")
             last[rid] = (step.index, table, end)
+            restarts[rid] = preempted[row]
     for rid, (index, table, end) in last.items():
         req = requests.get(rid)
         if req is None or req.status not in RUNNING or req.num_computed_tokens < end:
             continue
+        if restarts.get(rid) is not None and restarts[rid] != req.num_preemptions:
+            continue                                     # preempted since its last step
         now = manager.block_table(rid)
         if now[:len(table)] != table:
             out.append(f"request {rid}: its block table was {table} in step {index} but is {now} now "

@@ -44,6 +44,11 @@ def _figure(width: float = 7.0, height: float = 3.0, ncols: int = 1):
     return fig, fig.subplots(1, ncols)
 
 
+def _legend(ax, **kw) -> None:
+    """The legend right of the axes, where it never hides a bar."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kw)
+
+
 def _steps(history) -> list:
     steps = list(history.history if hasattr(history, "history") else history)
     if not steps:
@@ -66,7 +71,7 @@ def plot_cache_occupancy(history):
     ax.set_ylabel("blocks")
     ax.set_title("KV cache occupancy after each step")
     ax.set_ylim(0, sum(y[0] for y in ys))
-    ax.legend(loc="upper left", fontsize=8)
+    _legend(ax)
     return fig
 
 
@@ -82,13 +87,15 @@ def plot_rows_per_step(history, max_batch: int | None = None):
     colors = ["#0969da" if s.kind == "prefill" else "#1a7f37" for s in steps]
     ax.bar(x, active, color=colors)
     handles = [Patch(color="#0969da", label="prefill rows"), Patch(color="#1a7f37", label="decode rows")]
-    if any(padding):
-        handles.append(ax.bar(x, padding, bottom=active, color="#ffebe9", edgecolor="#cf222e", hatch="///",
-                              label="padding rows"))
+    padded = [i for i, n in enumerate(padding) if n]
+    if padded:
+        handles.append(ax.bar([x[i] for i in padded], [padding[i] for i in padded],
+                              bottom=[active[i] for i in padded], color="#ffebe9", edgecolor="#cf222e",
+                              hatch="///", label="padding rows"))
     if max_batch:
         handles.append(ax.axhline(max_batch, color="#57606a", linestyle="--", linewidth=1,
                                   label=f"max_batch {max_batch}"))
-    ax.legend(handles=handles, fontsize=8, loc="upper right")
+    _legend(ax, handles=handles)
     ax.set_xlabel("step")
     ax.set_ylabel("rows")
     ax.set_title("Rows per step (a partial decode batch dispatches fewer rows)")
@@ -111,7 +118,7 @@ def plot_step_timings(history, phases=PHASES):
     ax.set_xlabel("step")
     ax.set_ylabel("milliseconds")
     ax.set_title("Time per step by phase")
-    ax.legend(fontsize=8, loc="upper right")
+    _legend(ax)
     return fig
 
 

@@ -175,7 +175,11 @@ def take_cache(manager) -> CacheSnapshot:
 
 
 def take_request(req, block_size: int | None = None) -> RequestSnapshot:
-    """Copy a live Request (its text is decoded now)."""
+    """Copy a live Request (its text is decoded now). Without ``block_size``, the block size of
+    the cache manager that keeps the request's block table is used, when it can be found."""
+    if block_size is None:
+        manager = getattr(getattr(req, "_block_table", None), "__self__", None)
+        block_size = getattr(manager, "block_size", None)
     return RequestSnapshot(
         req.id, req.status, tuple(req.prompt_token_ids), tuple(req.output_token_ids), req.num_computed_tokens,
         getattr(req, "num_cached_tokens", 0), getattr(req, "num_preemptions", 0), tuple(req.block_table),

@@ -103,3 +103,16 @@ def expected_weight_bytes(sess):
     assert c.tie_word_embeddings
     params = c.vocab_size * h + h + c.num_hidden_layers * layer
     return 4 * params + 2 * 4 * sess.config.max_model_len * c.head_dim
+
+
+def test_closing_a_session_closes_its_forks(tiny_ckpt_small_vocab):
+    sess = Session.from_pretrained(tiny_ckpt_small_vocab, num_blocks=32, **ARGS)
+    sess.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    sess.step()
+    child = sess.fork()
+    refs = held_tensors(sess)
+    sess.close()
+    gc.collect()
+    assert child.closed and all(r() is None for r in refs)
+    with pytest.raises(InvalidRequestError, match="session is closed"):
+        child.step()

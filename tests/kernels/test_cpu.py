@@ -26,9 +26,11 @@ DTYPES = list(TOL)
 # --- linear -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, cpu.MAX_KERNEL_ROWS + 3])
-@pytest.mark.parametrize("n, k", [(12, 64), (7, 40), (2, 13), (1, 8)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, cpu.PANEL_ROWS, cpu.PANEL_ROWS + 1, 45])
+@pytest.mark.parametrize("n, k", [(12, 64), (37, 264), (2, 13), (20, 13), (1, 8)])
 def test_linear_matches_float64(n, k, rows, dtype):
+    """Both layouts (dot products for few rows, 16-row panels for many), remainders included:
+    37 outputs = 2 panels + 5 by dot products; k = 264 spans two 256-column blocks."""
     gen = torch.Generator().manual_seed(rows * 100 + n)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * 0.2).to(dtype)

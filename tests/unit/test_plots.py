@@ -58,7 +58,7 @@ def test_rows_per_step_shows_partial_and_padded_batches(sess, tiny_ckpt_small_vo
         padded.step()
     fig = plot_rows_per_step(padded)
     heights = [p.get_height() for p in fig.axes[0].patches]
-    assert heights == [1, 1, 0, 3]                          # active rows per step, then padding rows
+    assert heights == [1, 1, 3]                             # active rows per step, then step 1's padding
     closes_cleanly(fig)
 
 

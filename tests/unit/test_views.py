@@ -206,3 +206,19 @@ def test_a_large_cache_draws_its_leading_blocks_only(tiny_ckpt_small_vocab):
     assert "(blocks 32..299 not drawn)" in text
     assert "blocks 32..299 not drawn: free 268" in html
     assert html.count('title="block ') == 32
+
+
+def test_request_view_marks_blocks_from_the_prefix_cache(tiny_ckpt_small_vocab):
+    sess = small_session(tiny_ckpt_small_vocab)
+    prompt = list(range(1, 11))
+    sess.add_request(prompt, SamplingParams(max_new_tokens=2))
+    sess.step()
+    sess.step()                                               # request 0: 10 tokens computed
+    second = sess.add_request(prompt[:9] + [99], SamplingParams(max_new_tokens=2))
+    sess.step()                                               # its first 8 tokens come from the cache
+    assert second.num_cached_tokens == 8
+    html = second._repr_html_()
+    assert html.count("(from the prefix cache)") == 2
+    assert "block_table[0] = block 0: positions 0..3, 4/4 computed (from the prefix cache)" in html
+    assert "block_table[2] = block 3: positions 8..11, 2/4 computed\"" in html
+    assert "cached=8" in repr(sess.snapshot().requests[1])

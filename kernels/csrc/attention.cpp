@@ -1,0 +1,227 @@
+// Causal paged attention over a [blocks, block_size, KV, D] cache, fp32 arithmetic.
+//
+// Token t of row r sees context positions [0, visible(t)), visible = seq_len - query_len + i + 1
+// for the row's i-th token, read through the row's block table; nothing outside that is read.
+// Work items are (row, a tile of consecutive tokens of that row, KV head):
+//
+//   one token (decode)    scores q . k per position, softmax, weighted sum of v: the K/V of the
+//                         context stream through once, memory bound.
+//   several tokens        flash-style: the G heads of the KV head times up to TILE_TOKENS tokens
+//   (prefill chunks)      form MQ <= 16 query rows; per chunk of CHUNK positions, K is
+//                         transposed into [D][16] blocks and S = Q K^T, online softmax, and
+//                         acc += P V all run on the tile16 register tile.
+#include "vec.h"
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace qwen_npu_cpu {
+namespace {
+
+constexpr int64_t CHUNK = 32;          // context positions per step of the flash loop (2 x 16)
+constexpr int64_t MAX_QUERY_ROWS = 16;  // tokens x heads per tile
+
+struct Geometry {
+  int64_t H, KV, G, D, BS, MB;
+  int64_t pos_stride() const { return KV * D; }
+  int64_t block_stride() const { return BS * KV * D; }
+};
+
+template <typename S>
+inline const S* kv_row(const S* cache, const int32_t* table, int64_t p, int64_t kvh, const Geometry& g) {
+  return cache + table[p / g.BS] * g.block_stride() + (p % g.BS) * g.pos_stride() + kvh * g.D;
+}
+
+// One token, all G heads of KV head kvh, over positions [0, n).
+template <typename S>
+void attend_token(const S* q, const S* kc, const S* vc, const int32_t* table, int64_t n, int64_t kvh, float scale,
+                  const Geometry& g, S* out, std::vector<float>& work) {
+  const int64_t G = g.G, D = g.D;
+  work.resize(G * D * 2 + G * n);
+  float* qf = work.data();
+  float* acc = qf + G * D;
+  float* scores = acc + G * D;
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(q[h * D + d]) * scale;
+  for (int64_t p = 0; p < n; ++p) {
+    const S* k = kv_row(kc, table, p, kvh, g);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = qf + h * D;
+      __m256 a = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), a);
+      float s = hsum(a);
+      for (; d < D; ++d) s += qh[d] * to_f(k[d]);
+      scores[h * n + p] = s;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* s = scores + h * n;
+    float mx = -INFINITY;
+    for (int64_t p = 0; p < n; ++p) mx = std::max(mx, s[p]);
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 8 <= n; p += 8) {
+      const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmx));
+      _mm256_storeu_ps(s + p, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    for (; p < n; ++p) { s[p] = std::exp(s[p] - mx); sum += s[p]; }
+    const float inv = 1.0f / sum;
+    for (p = 0; p < n; ++p) s[p] *= inv;
+  }
+  std::fill(acc, acc + G * D, 0.0f);
+  for (int64_t p = 0; p < n; ++p) {
+    const S* v = kv_row(vc, table, p, kvh, g);
+    for (int64_t h = 0; h < G; ++h) {
+      const float w = scores[h * n + p];
+      const __m256 wv = _mm256_set1_ps(w);
+      float* a = acc + h * D;
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(wv, load8(v + d), _mm256_loadu_ps(a + d)));
+      for (; d < D; ++d) a[d] += w * to_f(v[d]);
+    }
+  }
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<S>(acc[h * D + d]);
+}
+
+// Tokens [0, T) of one row (token i sees positions [0, first_visible + i)), KV head kvh.
+// q and out point at the first token's first head of this KV head; token stride H * D.
+template <typename S>
+void attend_tile(const S* q, const S* kc, const S* vc, const int32_t* table, int64_t T, int64_t first_visible,
+                 int64_t kvh, float scale, const Geometry& g, S* out, std::vector<float>& work) {
+  const int64_t G = g.G, D = g.D, MQ = T * G;            // query rows: token-major, then head
+  const int64_t n = first_visible + T - 1;               // positions the last token sees
+  work.resize(MQ * D * 2 + D * CHUNK + CHUNK * D + MQ * CHUNK + 2 * MQ);
+  float* qf = work.data();
+  float* acc = qf + MQ * D;
+  float* kt = acc + MQ * D;           // [CHUNK / 16][D][16]
+  float* vf = kt + D * CHUNK;         // [CHUNK][D]
+  float* sp = vf + CHUNK * D;         // [MQ][CHUNK] scores, then probabilities
+  float* mx = sp + MQ * CHUNK;
+  float* sum = mx + MQ;
+  const std::vector<S> zrow(D, static_cast<S>(0.0f));   // stands in for positions past the context
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t d = 0; d < D; ++d) qf[(t * G + h) * D + d] = to_f(q[t * g.H * D + h * D + d]) * scale;
+  std::fill(acc, acc + MQ * D, 0.0f);
+  std::fill(mx, mx + MQ, -INFINITY);
+  std::fill(sum, sum + MQ, 0.0f);
+  const S* rows[16];
+  for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+    const int64_t cn = std::min(CHUNK, n - c0);
+    for (int64_t b = 0; b < cn; b += 16) {                 // S[:, b:b+16] = Q K^T
+      for (int64_t r = 0; r < 16; ++r) rows[r] = c0 + b + r < n ? kv_row(kc, table, c0 + b + r, kvh, g) : zrow.data();
+      pack16(rows, 0, D, kt + b * D, 0);
+      rows16(qf, D, MQ, kt + b * D, 16, D, sp + b, CHUNK, false);
+    }
+    for (int64_t p = 0; p < CHUNK; ++p) {
+      float* dst = vf + p * D;
+      if (p < cn) {
+        const S* v = kv_row(vc, table, c0 + p, kvh, g);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(v + d));
+      } else {
+        std::fill(dst, dst + D, 0.0f);
+      }
+    }
+    // causal mask, online softmax: rescale what was accumulated, turn scores into weights
+    for (int64_t m = 0; m < MQ; ++m) {
+      const int64_t visible = first_visible + m / G;       // positions [0, visible) are seen
+      float* s = sp + m * CHUNK;
+      const int64_t live = std::clamp<int64_t>(visible - c0, 0, cn);
+      for (int64_t p = live; p < CHUNK; ++p) s[p] = -INFINITY;
+      float cmax = mx[m];
+      for (int64_t p = 0; p < live; ++p) cmax = std::max(cmax, s[p]);
+      const float alpha = std::exp(mx[m] - cmax);         // 0 on the first chunk (mx = -inf)
+      mx[m] = cmax;
+      const __m256 vmx = _mm256_set1_ps(cmax);
+      __m256 vs = _mm256_setzero_ps();
+      for (int64_t p = 0; p < CHUNK; p += 8) {
+        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmx));
+        _mm256_storeu_ps(s + p, e);
+        vs = _mm256_add_ps(vs, e);
+      }
+      sum[m] = sum[m] * alpha + hsum(vs);
+      if (alpha != 1.0f) {
+        const __m256 va = _mm256_set1_ps(alpha);
+        float* a = acc + m * D;
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(va, _mm256_loadu_ps(a + d)));
+      }
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) rows16(sp, CHUNK, MQ, vf + d0, D, CHUNK, acc + d0, D, true);
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t m = t * G + h;
+      const float inv = 1.0f / sum[m];
+      for (int64_t d = 0; d < D; ++d) out[t * g.H * D + h * D + d] = static_cast<S>(acc[m * D + d] * inv);
+    }
+}
+
+struct Item { int64_t row, t0, t1, kvh; };
+
+template <typename S>
+void attention_impl(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                    const torch::Tensor& query_start_loc, double scale, torch::Tensor& out) {
+  Geometry g;
+  g.H = query.size(1); g.D = query.size(2); g.BS = key_cache.size(1); g.KV = key_cache.size(2);
+  g.G = g.H / g.KV; g.MB = block_tables.size(1);
+  const int64_t R = seq_lens.size(0);
+  const S* q = query.data_ptr<S>();
+  const S* kc = key_cache.data_ptr<S>();
+  const S* vc = value_cache.data_ptr<S>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  S* o = out.data_ptr<S>();
+  const float sc = static_cast<float>(scale);
+  const bool blocked = g.D % 16 == 0;
+  const int64_t tile = blocked ? std::max<int64_t>(1, MAX_QUERY_ROWS / g.G) : 1;
+  std::vector<Item> items;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t0 = qsl[r]; t0 < qsl[r + 1]; t0 += tile)
+      for (int64_t kvh = 0; kvh < g.KV; ++kvh) items.push_back({r, t0, std::min<int64_t>(t0 + tile, qsl[r + 1]), kvh});
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> work;
+    for (int64_t i = i0; i < i1; ++i) {
+      const Item& it = items[i];
+      const int32_t* table = bt + it.row * g.MB;
+      const int64_t first_visible = sl[it.row] - (qsl[it.row + 1] - it.t0) + 1;
+      const int64_t off = it.t0 * g.H * g.D + it.kvh * g.G * g.D;
+      if (it.t1 - it.t0 == 1)
+        attend_token(q + off, kc, vc, table, first_visible, it.kvh, sc, g, o + off, work);
+      else
+        attend_tile(q + off, kc, vc, table, it.t1 - it.t0, first_visible, it.kvh, sc, g, o + off, work);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                              double scale) {
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "cpu paged_attention: query and caches must share a dtype");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "cpu paged_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cpu paged_attention: caches must be contiguous");
+  auto q = query.contiguous();
+  auto bt = block_tables.to(at::kInt).contiguous();
+  auto sl = seq_lens.to(at::kInt).contiguous();
+  auto qsl = query_start_loc.to(at::kInt).contiguous();
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == at::kBFloat16)
+    attention_impl<at::BFloat16>(q, key_cache, value_cache, bt, sl, qsl, scale, out);
+  else if (q.scalar_type() == at::kFloat)
+    attention_impl<float>(q, key_cache, value_cache, bt, sl, qsl, scale, out);
+  else
+    TORCH_CHECK(false, "cpu paged_attention: dtype must be bfloat16 or float32");
+  return out;
+}
+
+}  // namespace qwen_npu_cpu

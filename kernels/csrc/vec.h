@@ -1,0 +1,135 @@
+// Shared AVX2 + FMA building blocks of the cpu kernels: widening loads, reductions, exp, and the
+// register-tiled multiply that both linear and attention are built on.
+#pragma once
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <cstdint>
+
+namespace qwen_npu_cpu {
+
+// ---- loads that widen to fp32 -----------------------------------------------------------------
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));      // 8 x bf16
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float to_f(float v) { return v; }
+inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp for x <= 0 (scores minus their max): 2^n * p(r), |relative error| < 2e-7; -inf -> 0.
+inline __m256 exp_neg(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  x = _mm256_max_ps(x, lo);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(out, _mm256_cmp_ps(x, lo, _CMP_GT_OQ));   // underflow -> exactly 0
+}
+
+// ---- the register tile ------------------------------------------------------------------------
+// y[i][0..16) (+)= sum_k x[i][k] * b[k][0..16) for MR (<= 6) rows of x: each x value is
+// broadcast against 16 columns of b. The accumulators are named variables, not an array, so
+// that they stay in registers; the rows a smaller tile does not use are compiled away.
+#define QN_ACC(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
+#define QN_FMA(i)                                                                          \
+  if constexpr (MR > i) {                                                                    \
+    const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);                                   \
+    c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);                                               \
+    c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                                               \
+  }
+#define QN_OUT(i)                                                                          \
+  if constexpr (MR > i) {                                                                    \
+    float* yi = y + i * ldy;                                                                 \
+    if (accumulate) {                                                                        \
+      c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(yi));                                 \
+      c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(yi + 8));                             \
+    }                                                                                        \
+    _mm256_storeu_ps(yi, c##i##0);                                                           \
+    _mm256_storeu_ps(yi + 8, c##i##1);                                                       \
+  }
+template <int MR>
+inline void tile16(const float* x, int64_t ldx, const float* b, int64_t ldb, int64_t kc, float* y, int64_t ldy,
+                   bool accumulate) {
+  static_assert(MR >= 1 && MR <= 6, "tile shape");
+  QN_ACC(0) QN_ACC(1) QN_ACC(2) QN_ACC(3) QN_ACC(4) QN_ACC(5)
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
+    QN_FMA(0) QN_FMA(1) QN_FMA(2) QN_FMA(3) QN_FMA(4) QN_FMA(5)
+  }
+  QN_OUT(0) QN_OUT(1) QN_OUT(2) QN_OUT(3) QN_OUT(4) QN_OUT(5)
+}
+#undef QN_ACC
+#undef QN_FMA
+#undef QN_OUT
+
+// All M rows of x against one 16-column block of b, 6 rows at a time.
+inline void rows16(const float* x, int64_t ldx, int64_t M, const float* b, int64_t ldb, int64_t kc, float* y,
+                   int64_t ldy, bool accumulate) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) tile16<6>(x + m * ldx, ldx, b, ldb, kc, y + m * ldy, ldy, accumulate);
+  switch (M - m) {
+    case 5: tile16<5>(x + m * ldx, ldx, b, ldb, kc, y + m * ldy, ldy, accumulate); break;
+    case 4: tile16<4>(x + m * ldx, ldx, b, ldb, kc, y + m * ldy, ldy, accumulate); break;
+    case 3: tile16<3>(x + m * ldx, ldx, b, ldb, kc, y + m * ldy, ldy, accumulate); break;
+    case 2: tile16<2>(x + m * ldx, ldx, b, ldb, kc, y + m * ldy, ldy, accumulate); break;
+    case 1: tile16<1>(x + m * ldx, ldx, b, ldb, kc, y + m * ldy, ldy, accumulate); break;
+    default: break;
+  }
+}
+
+// buf[k][r] = rows[r][k0 + k] as fp32, for 16 rows and kc (a multiple of 8) columns: the
+// transpose that turns 16 rows of a row-major matrix into a 16-column block for tile16.
+template <typename W>
+inline void pack16(const W* const* rows, int64_t k0, int64_t kc, float* buf, int64_t prefetch) {
+  for (int64_t k = 0; k < kc; k += 8) {
+    for (int r0 = 0; r0 < 16; r0 += 8) {
+      if (prefetch && (k % 32) == 0)
+        for (int r = 0; r < 8; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r0 + r] + k0 + k + prefetch), _MM_HINT_T0);
+      __m256 v[8];
+      for (int r = 0; r < 8; ++r) v[r] = load8(rows[r0 + r] + k0 + k);
+      __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+      __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+      __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+      __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+      __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* o = buf + k * 16 + r0;
+      _mm256_storeu_ps(o + 0 * 16, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * 16, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+  }
+}
+
+// Entry points (defined in linear.cpp, attention.cpp, module.cpp).
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t panel_rows);
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                              double scale);
+
+}  // namespace qwen_npu_cpu
