@@ -14,7 +14,9 @@ but does all arithmetic in fp32:
                        table (no gather, no padding to the longest
                        row); prefill tiles use a flash-style loop
     write_kv         C++: one copy per token, negative slots skipped  identical
-    rms_norm, add_rms_norm, rope                                       the reference functions
+    rms_norm,        C++ (csrc/norm.cpp): one pass each instead of a   same roundings; the mean
+      add_rms_norm,    dozen small torch ops per call                   square's summation order
+      rope                                                              (norms only) differs
 
 float32 models use torch's float32 matrix products for ``linear`` (already fast) and the C++
 attention. Tolerances against the reference (tests/kernels/test_cpu.py): float32 atol = rtol
@@ -41,15 +43,13 @@ from .metadata import AttentionMetadata
 
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("module.cpp", "linear.cpp", "attention.cpp")
+SOURCES = ("module.cpp", "linear.cpp", "attention.cpp", "norm.cpp")
 HEADERS = ("vec.h",)
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off")
 # From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).
 PANEL_ROWS = 16
 
-rms_norm = reference.rms_norm
-add_rms_norm = reference.add_rms_norm
-rope = reference.rope
+HALF_OR_FLOAT = (torch.bfloat16, torch.float32)
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,3 +105,33 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """As ``reference.paged_attention`` (decode and prefill), computed in fp32."""
     return ops().paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, float(scale))
+
+
+def _fused(*tensors: torch.Tensor) -> bool:
+    """Can the C++ elementwise kernels take these (cpu, one dtype, bf16 or fp32)?"""
+    first = tensors[0]
+    return (first.device.type == "cpu" and first.dtype in HALF_OR_FLOAT
+            and all(t.dtype == first.dtype and t.device == first.device for t in tensors))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As ``reference.rms_norm``, in one pass (same roundings; the mean's summation order differs)."""
+    if not _fused(x, weight) or x.numel() == 0:
+        return reference.rms_norm(x, weight, eps)
+    return ops().rms_norm(x, weight, float(eps))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``reference.add_rms_norm``: (rms_norm(x + residual), x + residual) in one pass."""
+    if not _fused(x, residual, weight) or x.shape != residual.shape or x.numel() == 0:
+        return reference.add_rms_norm(x, residual, weight, eps)
+    return tuple(ops().add_rms_norm(x, residual, weight, float(eps)))
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``reference.rope`` (bit-identical): q [T, H, D], k [T, KV, D], cos/sin [T, D]."""
+    if not _fused(q, k) or q.dim() != 3 or q.shape[0] == 0 or cos.device != q.device:
+        return reference.rope(q, k, cos, sin)
+    return tuple(ops().rope(q, k, cos, sin))

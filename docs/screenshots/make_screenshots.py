@@ -2,6 +2,7 @@
 
     python docs/screenshots/make_screenshots.py              # execute, export, screenshot
     python docs/screenshots/make_screenshots.py --no-execute # use the outputs stored in the notebooks
+    python docs/screenshots/make_screenshots.py 03_slot_collisions   # only these notebooks
 
 1. Every ``notebooks/0*.ipynb`` is executed in place in a fresh ``python3`` kernel (working
    directory ``notebooks/``), without per-cell timings or widget state, so diffs stay clean.
@@ -110,8 +111,11 @@ def main(argv=None) -> int:
     import nbformat
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-execute", action="store_true", help="use the outputs stored in the notebooks")
+    parser.add_argument("names", nargs="*", help="notebook names (e.g. 03_slot_collisions); default: all")
     args = parser.parse_args(argv)
     paths = sorted(NOTEBOOKS.glob("0*.ipynb"))
+    if args.names:
+        paths = [p for p in paths if p.stem in args.names]
     HTML_DIR.mkdir(parents=True, exist_ok=True)
     books = {}
     for path in paths:

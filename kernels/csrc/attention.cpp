@@ -164,26 +164,18 @@ void attend_tile(const S* q, const S* kc, const S* vc, const int32_t* table, int
 
 struct Item { int64_t row, t0, t1, kvh; };
 
+}  // namespace
+
 template <typename S>
-void attention_impl(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                    const torch::Tensor& query_start_loc, double scale, torch::Tensor& out) {
+void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, const int32_t* sl, const int32_t* qsl,
+                      const AttentionShape& shape, float scale, S* o) {
   Geometry g;
-  g.H = query.size(1); g.D = query.size(2); g.BS = key_cache.size(1); g.KV = key_cache.size(2);
-  g.G = g.H / g.KV; g.MB = block_tables.size(1);
-  const int64_t R = seq_lens.size(0);
-  const S* q = query.data_ptr<S>();
-  const S* kc = key_cache.data_ptr<S>();
-  const S* vc = value_cache.data_ptr<S>();
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  S* o = out.data_ptr<S>();
-  const float sc = static_cast<float>(scale);
+  g.H = shape.heads; g.D = shape.head_dim; g.BS = shape.block_size; g.KV = shape.kv_heads;
+  g.G = g.H / g.KV; g.MB = shape.max_blocks;
   const bool blocked = g.D % 16 == 0;
   const int64_t tile = blocked ? std::max<int64_t>(1, MAX_QUERY_ROWS / g.G) : 1;
   std::vector<Item> items;
-  for (int64_t r = 0; r < R; ++r)
+  for (int64_t r = 0; r < shape.rows; ++r)
     for (int64_t t0 = qsl[r]; t0 < qsl[r + 1]; t0 += tile)
       for (int64_t kvh = 0; kvh < g.KV; ++kvh) items.push_back({r, t0, std::min<int64_t>(t0 + tile, qsl[r + 1]), kvh});
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
@@ -194,34 +186,17 @@ void attention_impl(const torch::Tensor& query, const torch::Tensor& key_cache, 
       const int64_t first_visible = sl[it.row] - (qsl[it.row + 1] - it.t0) + 1;
       const int64_t off = it.t0 * g.H * g.D + it.kvh * g.G * g.D;
       if (it.t1 - it.t0 == 1)
-        attend_token(q + off, kc, vc, table, first_visible, it.kvh, sc, g, o + off, work);
+        attend_token(q + off, kc, vc, table, first_visible, it.kvh, scale, g, o + off, work);
       else
-        attend_tile(q + off, kc, vc, table, it.t1 - it.t0, first_visible, it.kvh, sc, g, o + off, work);
+        attend_tile(q + off, kc, vc, table, it.t1 - it.t0, first_visible, it.kvh, scale, g, o + off, work);
     }
   });
 }
 
-}  // namespace
-
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                              double scale) {
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "cpu paged_attention: query and caches must share a dtype");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "cpu paged_attention: heads must be a multiple of kv heads");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cpu paged_attention: caches must be contiguous");
-  auto q = query.contiguous();
-  auto bt = block_tables.to(at::kInt).contiguous();
-  auto sl = seq_lens.to(at::kInt).contiguous();
-  auto qsl = query_start_loc.to(at::kInt).contiguous();
-  auto out = torch::empty_like(q);
-  if (q.scalar_type() == at::kBFloat16)
-    attention_impl<at::BFloat16>(q, key_cache, value_cache, bt, sl, qsl, scale, out);
-  else if (q.scalar_type() == at::kFloat)
-    attention_impl<float>(q, key_cache, value_cache, bt, sl, qsl, scale, out);
-  else
-    TORCH_CHECK(false, "cpu paged_attention: dtype must be bfloat16 or float32");
-  return out;
-}
+template void attention_kernel<float>(const float*, const float*, const float*, const int32_t*, const int32_t*,
+                                      const int32_t*, const AttentionShape&, float, float*);
+template void attention_kernel<c10::BFloat16>(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
+                                              const int32_t*, const int32_t*, const int32_t*, const AttentionShape&,
+                                              float, c10::BFloat16*);
 
 }  // namespace qwen_npu_cpu

@@ -13,6 +13,7 @@
 //                                 the FMA peak of one core on large M.
 #include "vec.h"
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <vector>
 
 namespace qwen_npu_cpu {
@@ -96,8 +97,10 @@ void linear_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t pan
   });
 }
 
+}  // namespace
+
 template <typename W>
-void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows) {
+void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows) {
   int64_t done = 0;
   if (M >= panel_rows && K % 8 == 0 && N >= 16) {
     const int64_t panels = N / 16;
@@ -107,28 +110,8 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, fl
   if (done < N) linear_dots(x, M, K, w, done, N, y);
 }
 
-}  // namespace
-
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t panel_rows) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu linear: tensors must be on the cpu");
-  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "cpu linear: x [..., K] and w [N, K] disagree: ",
-              x.sizes(), " vs ", w.sizes());
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat,
-              "cpu linear: weights must be bfloat16 or float32");
-  const int64_t K = w.size(1), N = w.size(0);
-  auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();     // [M, K] fp32
-  auto wc = w.contiguous();
-  const int64_t M = x2.size(0);
-  auto y = torch::empty({M, N}, x2.options());                   // [M, N] fp32
-  if (M > 0) {
-    if (wc.scalar_type() == at::kBFloat16)
-      linear_impl(x2.data_ptr<float>(), M, K, wc.data_ptr<at::BFloat16>(), N, y.data_ptr<float>(), panel_rows);
-    else
-      linear_impl(x2.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, y.data_ptr<float>(), panel_rows);
-  }
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  return y.to(x.scalar_type()).view(sizes);
-}
+template void linear_kernel<float>(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+template void linear_kernel<c10::BFloat16>(const float*, int64_t, int64_t, const c10::BFloat16*, int64_t, float*,
+                                           int64_t);
 
 }  // namespace qwen_npu_cpu

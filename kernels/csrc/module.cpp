@@ -1,8 +1,108 @@
-// The cpu kernel extension: write_kv here, linear and paged_attention in their own files.
+// The cpu kernel extension's tensor-facing side: argument checks, dtype dispatch, write_kv and
+// the Python bindings. The kernels themselves (linear.cpp, attention.cpp) see raw pointers.
+#include <torch/extension.h>
 #include "vec.h"
 #include <cstring>
 
 namespace qwen_npu_cpu {
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t panel_rows) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu linear: tensors must be on the cpu");
+  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "cpu linear: x [..., K] and w [N, K] disagree: ",
+              x.sizes(), " vs ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat,
+              "cpu linear: weights must be bfloat16 or float32");
+  const int64_t K = w.size(1), N = w.size(0);
+  auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();     // [M, K] fp32
+  auto wc = w.contiguous();
+  const int64_t M = x2.size(0);
+  auto y = torch::empty({M, N}, x2.options());                   // [M, N] fp32
+  if (M > 0) {
+    if (wc.scalar_type() == at::kBFloat16)
+      linear_kernel(x2.data_ptr<float>(), M, K, wc.data_ptr<c10::BFloat16>(), N, y.data_ptr<float>(), panel_rows);
+    else
+      linear_kernel(x2.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, y.data_ptr<float>(), panel_rows);
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.to(x.scalar_type()).view(sizes);
+}
+
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                              double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "cpu paged_attention: query [T, H, D] and caches "
+              "[blocks, block_size, KV, D] expected, got ", query.sizes(), " and ", key_cache.sizes());
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "cpu paged_attention: query and caches must share a dtype");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "cpu paged_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cpu paged_attention: caches must be contiguous");
+  auto q = query.contiguous();
+  auto bt = block_tables.to(at::kInt).contiguous();
+  auto sl = seq_lens.to(at::kInt).contiguous();
+  auto qsl = query_start_loc.to(at::kInt).contiguous();
+  auto out = torch::empty_like(q);
+  const AttentionShape shape{sl.size(0), q.size(1), key_cache.size(2), q.size(2), key_cache.size(1), bt.size(1)};
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == at::kBFloat16)
+    attention_kernel(q.data_ptr<c10::BFloat16>(), key_cache.data_ptr<c10::BFloat16>(),
+                     value_cache.data_ptr<c10::BFloat16>(), bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(),
+                     qsl.data_ptr<int32_t>(), shape, sc, out.data_ptr<c10::BFloat16>());
+  else if (q.scalar_type() == at::kFloat)
+    attention_kernel(q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+                     bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>(), shape, sc,
+                     out.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "cpu paged_attention: dtype must be bfloat16 or float32");
+  return out;
+}
+
+// Dispatch on the dtype of x: bf16 or fp32 (the Python side checks and falls back otherwise).
+#define QN_DISPATCH(x, T, ...)                                                                \
+  if ((x).scalar_type() == at::kBFloat16) { using T = c10::BFloat16; __VA_ARGS__; }           \
+  else { TORCH_CHECK((x).scalar_type() == at::kFloat, "cpu kernels: bfloat16 or float32 only"); \
+         using T = float; __VA_ARGS__; }
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  TORCH_CHECK(wc.scalar_type() == xc.scalar_type() && wc.numel() == xc.size(-1), "cpu rms_norm: weight [n] of x's dtype");
+  auto out = torch::empty_like(xc);
+  const int64_t n = xc.size(-1), rows = n ? xc.numel() / n : 0;
+  QN_DISPATCH(xc, T, rms_norm_kernel<T>(xc.data_ptr<T>(), nullptr, wc.data_ptr<T>(), rows, n, static_cast<float>(eps),
+                                        out.data_ptr<T>(), nullptr))
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w,
+                                                      double eps) {
+  auto xc = x.contiguous();
+  auto rc = residual.contiguous();
+  auto wc = w.contiguous();
+  TORCH_CHECK(rc.sizes() == xc.sizes() && rc.scalar_type() == xc.scalar_type(), "cpu add_rms_norm: residual like x");
+  TORCH_CHECK(wc.scalar_type() == xc.scalar_type() && wc.numel() == xc.size(-1), "cpu add_rms_norm: weight [n] of x's dtype");
+  auto out = torch::empty_like(xc);
+  auto sum = torch::empty_like(xc);
+  const int64_t n = xc.size(-1), rows = n ? xc.numel() / n : 0;
+  QN_DISPATCH(xc, T, rms_norm_kernel<T>(xc.data_ptr<T>(), rc.data_ptr<T>(), wc.data_ptr<T>(), rows, n,
+                                        static_cast<float>(eps), out.data_ptr<T>(), sum.data_ptr<T>()))
+  return {out, sum};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> rope(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  auto qc = q.contiguous();
+  auto kc = k.contiguous();
+  auto c = cos.to(at::kFloat).contiguous();
+  auto s = sin.to(at::kFloat).contiguous();
+  TORCH_CHECK(qc.dim() == 3 && kc.dim() == 3 && qc.size(0) == kc.size(0) && qc.size(2) == kc.size(2) &&
+              c.size(0) == qc.size(0) && c.size(1) == qc.size(2) && qc.size(2) % 2 == 0 &&
+              qc.scalar_type() == kc.scalar_type(), "cpu rope: q [T, H, D], k [T, KV, D], cos/sin [T, D]");
+  auto qo = torch::empty_like(qc);
+  auto ko = torch::empty_like(kc);
+  QN_DISPATCH(qc, T, rope_kernel<T>(qc.data_ptr<T>(), kc.data_ptr<T>(), c.data_ptr<float>(), s.data_ptr<float>(),
+                                    qc.size(0), qc.size(1), kc.size(1), qc.size(2), qo.data_ptr<T>(), ko.data_ptr<T>()))
+  return {qo, ko};
+}
 
 // Copy token t's K/V [KV, D] into slot slot_mapping[t] of the caches; negative slots are skipped.
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -36,4 +136,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &qwen_npu_cpu::linear, "y = x @ w.T with fp32 accumulation (bf16 or fp32 weights)");
   m.def("paged_attention", &qwen_npu_cpu::paged_attention, "causal paged attention, fp32 arithmetic");
   m.def("write_kv", &qwen_npu_cpu::write_kv, "scatter K/V into the caches by slot, skipping negative slots");
+  m.def("rms_norm", &qwen_npu_cpu::rms_norm, "RMSNorm over the last dimension");
+  m.def("add_rms_norm", &qwen_npu_cpu::add_rms_norm, "(rms_norm(x + residual), x + residual)");
+  m.def("rope", &qwen_npu_cpu::rope, "rotary embedding, rotate-halves style");
 }

@@ -1,7 +1,7 @@
 // Shared AVX2 + FMA building blocks of the cpu kernels: widening loads, reductions, exp, and the
 // register-tiled multiply that both linear and attention are built on.
 #pragma once
-#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <cstdint>
 
@@ -9,12 +9,12 @@ namespace qwen_npu_cpu {
 
 // ---- loads that widen to fp32 -----------------------------------------------------------------
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
+inline __m256 load8(const c10::BFloat16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));      // 8 x bf16
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline float to_f(float v) { return v; }
-inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -126,10 +126,24 @@ inline void pack16(const W* const* rows, int64_t k0, int64_t kc, float* buf, int
   }
 }
 
-// Entry points (defined in linear.cpp, attention.cpp, module.cpp).
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t panel_rows);
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                              double scale);
+// Kernels on raw pointers (linear.cpp, attention.cpp), instantiated for float and c10::BFloat16;
+// module.cpp checks and unpacks the tensors. Only module.cpp includes the torch headers.
+template <typename W>
+void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows);
+
+struct AttentionShape {
+  int64_t rows, heads, kv_heads, head_dim, block_size, max_blocks;
+};
+template <typename S>
+void attention_kernel(const S* query, const S* key_cache, const S* value_cache, const int32_t* block_tables,
+                      const int32_t* seq_lens, const int32_t* query_start_loc, const AttentionShape& shape,
+                      float scale, S* out);
+
+template <typename T>
+void rms_norm_kernel(const T* x, const T* residual, const T* w, int64_t rows, int64_t n, float eps, T* out,
+                     T* sum_out);
+template <typename T>
+void rope_kernel(const T* q, const T* k, const float* cos, const float* sin, int64_t tokens, int64_t heads,
+                 int64_t kv_heads, int64_t d, T* qo, T* ko);
 
 }  // namespace qwen_npu_cpu

@@ -124,12 +124,14 @@ class SlotReport:
         cells = "".join(f"<th style='text-align:left;padding:2px 6px'>{h}</th>" for h in
                         ("check", "rows", "requests", "slot", "block", "offset", "problem"))
         body = "".join(
-            "<tr>" + "".join(f"<td style='padding:2px 6px'>{html.escape(str(v))}</td>" for v in (
+            "<tr>" + "".join(f"<td style='padding:2px 6px;text-align:left;vertical-align:top'>"
+                             f"{html.escape(str(v))}</td>" for v in (
                 p.check, _runs(p.rows), ", ".join(map(str, p.request_ids)) or "-", p.slot, p.block,
                 p.offset, p.message)) + "</tr>" for p in self.items)
         n = len(self.items)
-        return (f'<div><div style="color:#cf222e;font-weight:bold">&#10007; {n} slot problem'
-                f'{"s" * (n != 1)} ({self._summary()})</div><table><thead><tr>{cells}</tr></thead>'
+        return (f'<div style="font-family:ui-monospace,monospace;font-size:12px"><div style="color:#cf222e;'
+                f'font-weight:bold">&#10007; {n} slot problem{"s" * (n != 1)} ({self._summary()})</div>'
+                f'<table><thead><tr>{cells}</tr></thead>'
                 f"<tbody>{body}</tbody></table></div>")
 
 

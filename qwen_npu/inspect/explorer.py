@@ -57,6 +57,7 @@ class Explorer:
         self.slot = w.BoundedIntText(value=0, min=0, max=num_slots - 1, description="slot",
                                      layout=w.Layout(width="160px"))
         self.slot_view = w.HTML()
+        self._topk_of = None                  # the step whose top-k is shown
         self.add_button.on_click(lambda _: self.add_request())
         self.prefill_button.on_click(lambda _: self._act("prefill", sess.prefill))
         self.decode_button.on_click(lambda _: self._act("decode step", sess.decode_step))
@@ -140,13 +141,17 @@ class Explorer:
         self.step_view.value = take_step(hist[i], self.session.config.block_size)._repr_html_()
 
     def _show_topk(self) -> None:
+        """Top-k of the last step, read from the device once per step (the copy is counted)."""
         last = self.session.last_step
         if last is None or last.logits is None:
             self.topk_view.value = h.view("Top-k next tokens", h.muted("the last step produced no logits"))
             return
+        if self._topk_of is last:
+            return
         tok = self.session.tokenizer
         try:
             self.topk_view.value = topk(last, self.k, tok.decode if tok is not None else None)._repr_html_()
+            self._topk_of = last
         except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
             self.topk_view.value = h.view("Top-k next tokens", h.bad_line(str(e)))
 

@@ -124,6 +124,44 @@ def test_write_kv_casts_into_the_cache_dtype_and_refuses_slots_past_the_cache():
         cpu.write_kv(key, key, kc, vc, torch.tensor([4]))
 
 
+# --- norms and rope -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 6, 32), (5, 1024), (3, 4, 13)])
+def test_rms_norm_and_add_rms_norm_match_the_reference(shape, dtype):
+    gen = torch.Generator().manual_seed(2)
+    x, res = (torch.randn(2, *shape, generator=gen) * 3).to(dtype)
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).to(dtype)
+    y = cpu.rms_norm(x, w, 1e-6)
+    assert y.shape == x.shape and y.dtype == dtype
+    torch.testing.assert_close(y, ref.rms_norm(x, w, 1e-6), **TOL[dtype])
+    y2, summed = cpu.add_rms_norm(x, res, w, 1e-6)
+    want2, want_sum = ref.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(summed, want_sum)                       # the residual stream is exact
+    torch.testing.assert_close(y2, want2, **TOL[dtype])
+
+
+def test_rms_norm_reads_strided_views():
+    qkv = torch.randn(3, 40).bfloat16()
+    q = qkv[:, :32].reshape(3, 4, 8)                          # a view into fused projections
+    w = torch.rand(8).bfloat16() + 0.5
+    torch.testing.assert_close(cpu.rms_norm(q, w, 1e-6), ref.rms_norm(q, w, 1e-6), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_is_bit_identical_to_the_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 4, 16, generator=gen).to(dtype)
+    k = torch.randn(5, 2, 16, generator=gen).to(dtype)
+    pos = torch.tensor([0, 1, 7, 100, 4095]).double()[:, None]
+    freqs = pos * (1.0 / 1e6 ** (torch.arange(0, 16, 2).double() / 16))[None]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().float(), emb.sin().float()
+    got_q, got_k = cpu.rope(q, k, cos, sin)
+    want_q, want_k = ref.rope(q, k, cos, sin)
+    assert torch.equal(bits(got_q), bits(want_q)) and torch.equal(bits(got_k), bits(want_k))
+
+
 # --- the whole model ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

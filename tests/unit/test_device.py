@@ -18,6 +18,7 @@ import torch
 
 from qwen_npu import DeviceError
 from qwen_npu import device as dev
+from qwen_npu.kernels import cpu as cpu_kernels
 
 NO_TORCH_NPU = importlib.util.find_spec("torch_npu") is None
 needs_no_torch_npu = pytest.mark.skipif(not NO_TORCH_NPU, reason="torch_npu is installed here")
@@ -71,8 +72,12 @@ def test_default_block_size():
     assert dev.default_block_size("npu:0") == 128
 
 
+# "auto" on a cpu picks the cpu kernel set where it can run (AVX2 and a C++ compiler)
+CPU_AUTO = "cpu" if cpu_kernels.available() else "reference"
+
+
 @pytest.mark.parametrize("name, device, expected", [
-    ("auto", "cpu", "reference"), ("auto", "cuda:0", "reference"), ("auto", "npu:0", "npu"),
+    ("auto", "cpu", CPU_AUTO), ("auto", "cuda:0", "reference"), ("auto", "npu:0", "npu"),
     ("reference", "cpu", "reference"), ("reference", "npu:0", "reference"), ("npu", "npu", "npu"),
 ])
 def test_resolve_kernels(name, device, expected):
@@ -81,7 +86,8 @@ def test_resolve_kernels(name, device, expected):
         assert dev.resolve_kernels(name, torch.device("cpu")) == expected
 
 
-@pytest.mark.parametrize("name, device", [("npu", "cpu"), ("npu", "cuda:0"), ("fast", "cpu")])
+@pytest.mark.parametrize("name, device", [("npu", "cpu"), ("npu", "cuda:0"), ("fast", "cpu"), ("cpu", "cuda:0"),
+                                          ("cpu", "npu:0")])
 def test_resolve_kernels_refuses(name, device):
     with pytest.raises(DeviceError, match="kernel"):
         dev.resolve_kernels(name, device)
@@ -157,7 +163,7 @@ def test_broken_torch_npu_is_reported_with_the_cann_hint(tmp_path, error):
     assert got["reason"].startswith("torch_npu failed to import") and message in got["reason"]
     for text in (got["reason"], got["npu_error"]):
         assert "CANN" in text and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in text
-    assert got["auto"] in ("cpu", "cuda:0") and got["kernels"] == "reference" and got["reference_ok"]
+    assert got["auto"] in ("cpu", "cuda:0") and got["kernels"] == CPU_AUTO and got["reference_ok"]
 
 
 def test_torch_npu_that_sees_no_device(tmp_path):

@@ -110,3 +110,15 @@ def test_a_closed_session_is_reported_not_raised(explorer):
     assert "cannot draw the session: session is closed" in ex.session_view.value
     ex.step_button.click()
     assert "step failed: InvalidRequestError" in ex.message.value and "session is closed" in ex.message.value
+
+
+def test_refresh_reads_the_top_k_once_per_step(explorer):
+    ex, sess = explorer, explorer.session
+    add(ex, "1,2,3")
+    ex.step_button.click()
+    d2h = sess.last_step.transfers["d2h"]
+    ex.refresh_button.click()
+    ex.refresh_button.click()
+    assert sess.last_step.transfers["d2h"] == d2h           # no new copy for the same step
+    ex.step_button.click()
+    assert "step 1" in ex.topk_view.value

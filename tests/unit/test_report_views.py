@@ -28,7 +28,7 @@ def test_kv_view_empty_and_after_steps(tiny_ckpt_small_vocab):
     assert "KV cache" in empty and "slots written</span> 0" in empty and "[32, 4, 2, 16]" in empty
     run_two_requests(sess)
     with watch_device_reads(sess) as reads:
-        text, html = views(sess.kv)
+        _, html = views(sess.kv)
     assert reads == []
     assert "slots written</span> 15" in html                # 10 + 3 prompt tokens, then 2 decode tokens
     assert "block 3 (slots 12..15): cached" in html and "block 0 (slots 0..3): used" in html
@@ -37,7 +37,7 @@ def test_kv_view_empty_and_after_steps(tiny_ckpt_small_vocab):
 
 def test_slot_info_views(tiny_ckpt_small_vocab):
     sess = collided(tiny_ckpt_small_vocab)
-    text, html = views(sess.kv.slot(3))
+    _, html = views(sess.kv.slot(3))
     assert "Slot 3 (collided)" in html and "slot 3 written 3 times (rows 0, 2, 3)" in html
     assert "collisions and faults" in html
     _, never = views(sess.kv.slot(100))
