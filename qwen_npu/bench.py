@@ -147,6 +147,12 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
     if not work:
         raise InvalidRequestError("the workload is empty")
     path = Path(model) if model is not None else ensure_default_model(log=log)
+    from .config import ModelConfig
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    top = max(max(p) for p, _ in work)
+    if top >= vocab:
+        raise InvalidRequestError(f"{path}: the workload uses token ids up to {top} but the checkpoint's "
+                                  f"vocabulary has {vocab}; benchmark a checkpoint with the Qwen3 vocabulary")
     block_size = devices.default_block_size(devices.resolve_device(device))
     num_blocks = max(_blocks_for(work, block_size, MAX_BATCH), MAX_BATCH * (PROBE_CONTEXT // block_size + 2))
     t0 = time.perf_counter()

@@ -108,7 +108,7 @@ class FaultSetting:
         self._owner = owner
         self._previous = previous
 
-    def __enter__(self) -> "FaultSetting":
+    def __enter__(self) -> FaultSetting:
         return self
 
     def __exit__(self, *exc) -> None:

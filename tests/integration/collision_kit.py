@@ -19,7 +19,8 @@ EXTERNAL_CHECKS = tuple(c for c in CHECKS if c not in ("shared_block", "live_ove
 
 
 def open_session(path, **kw) -> Session:
-    args = dict(device="cpu", max_batch=4, block_size=BS, num_blocks=NUM_BLOCKS, max_model_len=64, chunk_size=64)
+    args = {"device": "cpu", "max_batch": 4, "block_size": BS, "num_blocks": NUM_BLOCKS, "max_model_len": 64,
+            "chunk_size": 64}
     args.update(kw)
     return Session.from_pretrained(path, **args)
 

@@ -10,8 +10,17 @@ Each case injects one bad write into a real step's plan (after scheduling, befor
 import warnings
 
 import pytest
-from collision_kit import (BS, EXTERNAL_CHECKS, NUM_BLOCKS, free_block, greedy, open_session, prompts,
-                           tampered_plans, two_decoding)
+from collision_kit import (
+    BS,
+    EXTERNAL_CHECKS,
+    NUM_BLOCKS,
+    free_block,
+    greedy,
+    open_session,
+    prompts,
+    tampered_plans,
+    two_decoding,
+)
 
 from qwen_npu import SlotCollisionError, SlotCollisionWarning, check_slot_mapping
 

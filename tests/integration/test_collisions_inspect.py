@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 import torch
-from collision_kit import BS, NUM_BLOCKS, greedy, open_session, prompts, two_decoding
+from collision_kit import BS, NUM_BLOCKS, greedy, open_session, two_decoding
 
 from qwen_npu import InvalidRequestError, StreamHealthWarning
 
@@ -29,7 +29,7 @@ def test_kv_shapes_and_live_tensors(sess):
 
 
 def test_read_returns_host_copies_of_one_token(sess):
-    a, b = two_decoding(sess)
+    _, b = two_decoding(sess)
     kv = sess.kv
     slot = kv.slot_of(b, 5)
     assert slot == b.block_table[1] * BS + 1
@@ -41,7 +41,7 @@ def test_read_returns_host_copies_of_one_token(sess):
 
 
 def test_read_refuses_tokens_not_in_the_cache(sess):
-    a, b = two_decoding(sess, lens=(6, 7))
+    a, _ = two_decoding(sess, lens=(6, 7))
     kv = sess.kv
     with pytest.raises(InvalidRequestError, match=r"computed positions 0\.\.5; position 6 is not in the cache"):
         kv.read(a, 6, 0)                                     # sampled, not yet fed
@@ -58,7 +58,7 @@ def test_read_refuses_tokens_not_in_the_cache(sess):
 
 
 def test_slot_info_snapshot(sess):
-    a, b = two_decoding(sess)
+    a, _ = two_decoding(sess)
     kv = sess.kv
     slot = kv.slot_of(a, 4)
     info = kv.slot(slot)
@@ -133,8 +133,9 @@ def test_check_reports_crafted_damage(sess, how, section, text):
 def test_check_reports_non_finite_values_where_they_are(sess):
     slot, b = crafted(sess, "nan")
     report = sess.check()
-    assert report.problems == (f"slot {slot} (block {slot // BS}, offset {slot % BS}; request {b.id} position 3) "
-                               f"holds non-finite values: V in layer 1",)
+    expected = (f"slot {slot} (block {slot // BS}, offset {slot % BS}; request {b.id} position 3) holds "
+                f"non-finite values: V in layer 1")
+    assert report.problems == (expected,)
     with pytest.raises(ValueError, match="section"):
         report.section("nope")
 
@@ -142,7 +143,7 @@ def test_check_reports_non_finite_values_where_they_are(sess):
 # ---- stream health ---------------------------------------------------------------------------------
 
 def test_non_finite_logits_are_flagged_naming_the_request(sess):
-    a, b = two_decoding(sess)
+    _, b = two_decoding(sess)
     slot = sess.kv.slot_of(b, 2)
     sess.kv.key(0)[slot // BS, slot % BS] = float("nan")      # a torn slot: K and V both garbage
     sess.kv.value(0)[slot // BS, slot % BS] = float("nan")
@@ -154,7 +155,7 @@ def test_non_finite_logits_are_flagged_naming_the_request(sess):
 
 def test_all_zero_logits_are_flagged_naming_the_request(sess):
     from qwen_npu.research import zero
-    a, b = two_decoding(sess)
+    a, _ = two_decoding(sess)
     with sess.intervene("final_norm", zero(), requests=[a]):      # row a's final hidden state -> 0
         step = sess.decode_step()
     assert step.logits.tensor[0].eq(0).all() and step.logits.tensor[1].ne(0).any()
@@ -167,7 +168,7 @@ def test_all_zero_logits_are_flagged_naming_the_request(sess):
 
 
 def test_check_audit_and_slots_see_every_branch_after_a_fork(sess):
-    a, b = two_decoding(sess)
+    a, _ = two_decoding(sess)
     child = sess.fork()
     for s in (sess, child):
         s.sample(s.decode_step())

@@ -1,0 +1,82 @@
+"""`qwen-npu bench`: the shared workloads and the report's fields (tiny checkpoint, no timings checked)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from qwen_npu import workloads
+from qwen_npu.cli import main
+
+SHARED_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "peers" / "workloads.py"
+RUN = ["--prompt-len", "8", "--output-len", "3", "--num-requests", "3"]
+
+
+def test_the_workloads_have_their_documented_shape():
+    mixed, seed = workloads.mixed(), workloads.seed_like()
+    assert mixed == workloads.mixed() and len(mixed) == 32             # deterministic
+    assert all(64 <= len(p) <= 512 and 32 <= n <= 128 for p, n in mixed)
+    assert workloads.summary(mixed) == {"requests": 32, "prompt_tokens": 9502, "output_tokens": 2392}
+    assert len(seed) == 16 and all(p == seed[0][0] and n == 64 for p, n in seed) and len(seed[0][0]) == 512
+    assert seed[0][0] is not seed[1][0]                                  # copies, not one shared list
+    ids = [t for p, _ in mixed + seed for t in p]
+    assert min(ids) >= workloads.TOKEN_LOW and max(ids) < workloads.TOKEN_HIGH
+
+
+@pytest.mark.skipif(not SHARED_WORKLOADS.is_file(), reason="the peers' workloads.py is not next to this checkout")
+def test_the_workloads_are_token_for_token_those_the_peers_run():
+    spec = importlib.util.spec_from_file_location("peer_workloads", SHARED_WORKLOADS)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    assert peer.WORKLOADS["mixed"]() == workloads.mixed()
+    assert peer.WORKLOADS["seed"]() == workloads.seed_like()
+
+
+def run_cli(capsys, *args) -> str:
+    assert main(["bench", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_json_report_has_the_figures_and_the_hf_comparison(tiny_ckpt, capsys):
+    out = run_cli(capsys, "--model", str(tiny_ckpt), *RUN, "--json", "--compare", "hf")
+    lines = out.strip().splitlines()
+    assert len(lines) == 1                                               # one compact line, nothing else
+    r = json.loads(lines[0])
+    assert r["workload"] == "custom" and r["requests"] == 3
+    assert r["out_tokens"] == 9 and r["prompt_tokens"] == 24 and r["prefill_tokens"] == 24
+    for key in ("seconds", "out_tok_s", "total_tok_s", "prefill_tok_s", "decode_ms_b1", "decode_ms_b16"):
+        assert r[key] > 0, key
+    assert r["out_tok_s"] == pytest.approx(9 / r["seconds"], rel=0.01)
+    assert r["total_tok_s"] == pytest.approx(33 / r["seconds"], rel=0.01)
+    assert r["peak_rss_bytes"] > 1 << 20
+    assert r["d2h_bytes_per_token"] == 8.0                               # only the int64 token ids cross
+    assert r["decode_steps"] == 2                                        # 3 tokens: 1 from prefill + 2 decodes
+    hf = r["hf"]
+    assert hf["engine"] == "hf-generate" and hf["out_tokens"] == 9 and hf["seconds"] > 0
+    assert r["hf_ratio"] == pytest.approx(hf["seconds"] / r["seconds"], rel=0.02)
+
+
+def test_text_report_names_every_figure(tiny_ckpt, capsys):
+    out = run_cli(capsys, "--model", str(tiny_ckpt), *RUN, "--no-probes", "--kernels", "reference")
+    assert out.startswith("qwen-npu bench: workload custom (3 requests, 24 prompt + 9 output tokens)")
+    for words in ("kernels reference", "output tok/s", "total tok/s", "prefill    24 tokens computed",
+                  "decode     2 steps", "peak resident", "B device-to-host per generated token"):
+        assert words in out, words
+    assert "vs hf" not in out and "per step at context" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-len", "8"], "needs --prompt-len, --output-len"),
+    (["--workload", "seed", "--prompt-len", "8", "--output-len", "2"], "not both"),
+    (["--prompt-len", "0", "--output-len", "2"], "each >= 1"),
+])
+def test_bad_arguments_are_refused_with_a_reason(tiny_ckpt, args, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "--model", str(tiny_ckpt), *args])
+
+
+def test_a_checkpoint_without_the_qwen3_vocabulary_is_refused(tiny_ckpt_small_vocab):
+    with pytest.raises(SystemExit, match="vocabulary has 512"):
+        main(["bench", "--model", str(tiny_ckpt_small_vocab), "--workload", "seed"])
