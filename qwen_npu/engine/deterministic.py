@@ -21,7 +21,7 @@ order, so each finds its predecessors' K/V in the cache, as in a chunked prefill
 The cost is one forward per token: prefill loses all its batching and decode loses batching
 across requests (see docs for measured figures). Dispatch buffers are filled once per step, as
 usual; the per-token forwards read views of them, so h2d transfers do not grow. Research hooks
-(captures, interventions) expect one forward per step and are refused in this mode.
+(captures, interventions) see each token's forward in turn and file it under its row.
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import time
 
 import torch
 
-from ..errors import InvalidRequestError
 from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook
 from .buffers import OutputBuffer
@@ -48,10 +47,6 @@ class TokenByTokenRunner(ModelRunner):
 
     def dispatch(self, plan: StepPlan, timings: dict, transfers: dict, *,
                  hook: Hook | None = None) -> tuple[OutputBuffer, OutputBuffer, int]:
-        if hook is not None:
-            raise InvalidRequestError(
-                "research hooks (captures, interventions) see a whole step in one forward; with "
-                "deterministic=True every token runs alone, so they are not available — close them first")
         t0 = time.perf_counter()
         b = self.buffers
         pre = "" if plan.kind == "decode" else "prefill."

@@ -202,6 +202,8 @@ class Engine:
         self.manager.reset()
         self.ledger.reset()
         self.kv_cache.zero_()
+        if self.faults is not None:
+            self.faults.applied.clear()          # the cache they describe is gone; the model stays on
 
 
 def _health_codes(logits: torch.Tensor) -> torch.Tensor:

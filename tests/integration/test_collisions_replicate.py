@@ -179,3 +179,17 @@ def test_runtime_batch_never_triggers_the_fault_model(tiny_ckpt_small_vocab, run
     assert [r.output_token_ids for r in reqs] == runtime_streams
     assert sess.check().ok
     assert torch.isfinite(sess.kv.key(0)).all()
+
+
+def test_reset_forgets_collisions_and_faults_but_keeps_the_fault_model(tiny_ckpt_small_vocab):
+    sess = open_session(tiny_ckpt_small_vocab, decode_padding="replicate", slot_check="off")
+    sess.emulate_faults("zero_on_collision")
+    with pytest.warns(FaultEmulationWarning):
+        run_schedule(sess, LENS, NEW)
+    slot = int(partial_decodes(sess)[0].slot_mapping[0])
+    assert sess.kv.slot(slot).faults and not sess.check().ok
+    sess.reset()
+    assert sess.fault_model == "zero_on_collision"
+    info = sess.kv.slot(slot)
+    assert (info.request_id, info.collisions, info.faults) == (None, (), ())
+    assert sess.check().ok

@@ -132,3 +132,14 @@ def test_capture_names_lists_every_point_in_forward_order(ckpt):
     assert per_layer == ["attn.in", "attn.q_pre_rope", "attn.k_pre_rope", "attn.q", "attn.k", "attn.v",
                          "attn.z", "attn.out", "mlp.in", "mlp.act", "mlp.out", "residual"]
     assert len(names) == 3 + 12 * 3
+
+
+def test_deterministic_mode_captures_every_token_under_its_row(ckpt, seqs, forced_run):
+    """Token-by-token forwards file each token's activations under its own row and position."""
+    sess, reqs, cap = forced_run
+    det = open_session(ckpt, deterministic=True)
+    det_reqs, det_cap, _ = run_forced(det, seqs, PROMPT_LENS, cap_names=["layers.1.attn.q", "logits"])
+    for req, dreq in zip(reqs, det_reqs):
+        for name in ("layers.1.attn.q", "logits"):
+            assert det_cap.positions(dreq, name) == cap.positions(req, name)
+            torch.testing.assert_close(det_cap.stack(name, dreq), cap.stack(name, req), atol=TOL, rtol=0)

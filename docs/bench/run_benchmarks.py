@@ -1,0 +1,177 @@
+"""Regenerate docs/benchmarks.md: both shared workloads beside the peers, and decode scaling.
+
+    python docs/bench/run_benchmarks.py                      # everything (an hour or more on 2 cores)
+    python docs/bench/run_benchmarks.py --only scaling       # one part; the others come from results.json
+    python docs/bench/run_benchmarks.py --only render        # rewrite the page from results.json
+
+Parts, each saved into docs/bench/results.json as it finishes:
+  workloads  `qwen-npu bench --workload W --json --compare hf` in a fresh process per workload
+  vllm       the vLLM CPU build on the same workloads (peers/bench_vllm.py in its own virtual
+             environment, as peers/run-peers sets it up); skipped when that environment is missing
+  scaling    one decode forward for batch 1..16 x context 128..4096 (KV blocks of distinct memory
+             per row, filled with random values) and the batch-1 / batch-16 step by kernel set
+Then the page and the plot (docs/bench/decode_scaling.png) are written from the results.
+Keep the machine otherwise idle while it runs: every figure is a wall-clock time.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RESULTS = HERE / "results.json"
+PEERS = ROOT.parent / "shared" / "peers"
+VLLM_PY = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen-npu-peers" / "vllm" / "bin" / "python"
+BATCHES = (1, 2, 4, 8, 16)
+CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
+REPS = 5
+
+
+def machine() -> dict:
+    import torch
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
+        flags = next(line for line in text.splitlines() if line.startswith("flags")).split()
+        info["bf16_or_amx"] = sorted(f for f in flags if "bf16" in f or f.startswith("amx") or f.startswith("avx512"))
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def run_json(cmd: list[str], env=None) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def part_workloads(model: str | None, hf: bool) -> dict:
+    out = {}
+    for w in ("mixed", "seed"):
+        cmd = [sys.executable, "-m", "qwen_npu.cli", "bench", "--workload", w, "--json"]
+        cmd += ["--model", model] if model else []
+        cmd += ["--compare", "hf"] if hf else []
+        before = load()
+        out[w] = run_json(cmd)
+        out[w]["load_before"], out[w]["load_after"] = round(before, 2), round(load(), 2)
+        print(f"{w}: {out[w]['seconds']} s", flush=True)
+    return out
+
+
+def part_vllm(model: str) -> dict:
+    if not VLLM_PY.is_file():
+        print(f"no vLLM environment at {VLLM_PY}; run {PEERS / 'run-peers'} once to make it", flush=True)
+        return {}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}")
+    out = {}
+    for w in ("mixed", "seed"):
+        before = load()
+        out[w] = run_json([str(VLLM_PY), str(PEERS / "bench_vllm.py"), model, w], env=env)
+        out[w]["load_before"], out[w]["load_after"] = round(before, 2), round(load(), 2)
+        print(f"vllm {w}: {out[w]['seconds']} s", flush=True)
+    return out
+
+
+def _decode_ms(model, kv, batch: int, context: int, block_size: int, reps: int = REPS) -> float:
+    """Median ms of one decode forward: ``batch`` rows, each at ``context`` cached tokens."""
+    import torch
+    from qwen_npu.kernels import AttentionMetadata
+    per_row = -(-(context + 1) // block_size)
+    tables = torch.arange(batch * per_row, dtype=torch.int32).view(batch, per_row)  # distinct blocks per row
+    pos = torch.full((batch,), context, dtype=torch.int64)
+    slots = tables[:, context // block_size].long() * block_size + context % block_size
+    meta = AttentionMetadata(positions=pos, slot_mapping=slots, block_tables=tables,
+                             seq_lens=torch.full((batch,), context + 1, dtype=torch.int32),
+                             query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+                             query_lens_host=(1,) * batch, seq_lens_host=(context + 1,) * batch, is_decode=True)
+    ids = torch.randint(100, 150000, (batch,))
+    rows = torch.arange(batch)
+    times = []
+    with torch.no_grad():
+        for i in range(reps + 1):
+            t = time.perf_counter()
+            model(ids, meta, kv, rows)
+            if i:
+                times.append(time.perf_counter() - t)
+    return round(1e3 * statistics.median(times), 2)
+
+
+def part_scaling(model_dir: str | None) -> dict:
+    import torch
+    from qwen_npu import Session
+    from qwen_npu.bench import ensure_default_model
+    path = Path(model_dir) if model_dir else ensure_default_model()
+    block = 16
+    grid, by_kernels = {}, {}
+    for kernels in ("cpu", "reference"):
+        sess = Session.from_pretrained(path, kernels=kernels, max_model_len=max(CONTEXTS) + block, num_blocks=16)
+        model, mc = sess.model, sess.model_config
+        contexts = CONTEXTS if kernels == "cpu" else (128,)
+        blocks = max(BATCHES) * -(-(max(contexts) + 1) // block)
+        pattern = torch.randn(block, mc.num_key_value_heads, mc.head_dim).to(model.dtype)
+        kv = []
+        for _ in range(mc.num_hidden_layers):
+            k = torch.empty(blocks, block, mc.num_key_value_heads, mc.head_dim, dtype=model.dtype)
+            k.copy_(pattern.expand_as(k))
+            kv.append((k, k.clone()))
+        if kernels == "cpu":
+            for c in contexts:
+                for b in BATCHES:
+                    grid[f"{b},{c}"] = _decode_ms(model, kv, b, c, block)
+                    print(f"scaling batch {b} context {c}: {grid[f'{b},{c}']} ms", flush=True)
+        by_kernels[kernels] = {"b1": _decode_ms(model, kv, 1, 128, block, 3),
+                               "b16": _decode_ms(model, kv, 16, 128, block, 3)}
+        print(f"{kernels}: {by_kernels[kernels]}", flush=True)
+        del kv, model
+        sess.close()
+    return {"grid": grid, "kernels": by_kernels, "load": round(load(), 2)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="checkpoint (default: the Qwen3-0.6B-shaped random one)")
+    p.add_argument("--only", choices=["workloads", "vllm", "scaling", "render"], action="append")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from qwen_npu.bench import ensure_default_model
+    model = args.model or str(ensure_default_model())
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    parts = args.only or ["workloads", "vllm", "scaling", "render"]
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    for part in parts:
+        if part == "workloads":
+            results["workloads"] = part_workloads(args.model, not args.no_hf)
+        elif part == "vllm":
+            results["vllm"] = part_vllm(model) or results.get("vllm", {})
+        elif part == "scaling":
+            results["scaling"] = part_scaling(args.model)
+        if part != "render":
+            results.setdefault("measured", {})[part] = stamp
+            results["machine"] = machine()
+            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    from render_benchmarks import render
+    render(results, ROOT / "docs" / "benchmarks.md", HERE / "decode_scaling.png")
+    print(f"wrote {ROOT / 'docs' / 'benchmarks.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
