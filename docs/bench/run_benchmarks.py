@@ -8,8 +8,11 @@ Parts, each saved into docs/bench/results.json as it finishes:
   workloads  `qwen-npu bench --workload W --json --compare hf` in a fresh process per workload
   vllm       the vLLM CPU build on the same workloads (peers/bench_vllm.py in its own virtual
              environment, as peers/run-peers sets it up); skipped when that environment is missing
+  profile    where the time of a step goes (docs/bench/profile_steps.py), by kernel set: decode at
+             batch 1 and 16 (context 128) and one 512-token prefill
   scaling    one decode forward for batch 1..16 x context 128..4096 (KV blocks of distinct memory
-             per row, filled with random values) and the batch-1 / batch-16 step by kernel set
+             per row, filled with random values), the same at batch 1 / 16 by kernel set, and the
+             memory read bandwidth
 Then the page and the plot (docs/bench/decode_scaling.png) are written from the results.
 Keep the machine otherwise idle while it runs: every figure is a wall-clock time.
 """
@@ -113,6 +116,34 @@ def _decode_ms(model, kv, batch: int, context: int, block_size: int, reps: int =
     return round(1e3 * statistics.median(times), 2)
 
 
+def read_bandwidth() -> float:
+    """GB/s of one pass over 1 GiB of float32 (a sum), best of three."""
+    import torch
+    x = torch.ones(1 << 28)
+    best = 0.0
+    for _ in range(4):
+        t = time.perf_counter()
+        x.sum()
+        best = max(best, x.nbytes / (time.perf_counter() - t) / 1e9)
+    return round(best, 1)
+
+
+def part_profile(model_dir: str | None) -> dict:
+    from profile_steps import profile
+    from qwen_npu import Session
+    from qwen_npu.bench import ensure_default_model
+    path = Path(model_dir) if model_dir else ensure_default_model()
+    out = {}
+    for kernels in ("cpu", "reference"):
+        sess = Session.from_pretrained(path, kernels=kernels, max_model_len=2048, num_blocks=16 * 12)
+        out[kernels] = {"decode b1": profile(sess, batch=1, context=128, decode_steps=4),
+                        "decode b16": profile(sess, batch=16, context=128, decode_steps=2),
+                        "prefill 512": profile(sess, batch=1, context=512, decode_steps=0)}
+        print(f"profile {kernels}: {out[kernels]}", flush=True)
+        sess.close()
+    return out
+
+
 def part_scaling(model_dir: str | None) -> dict:
     import torch
     from qwen_npu import Session
@@ -141,26 +172,28 @@ def part_scaling(model_dir: str | None) -> dict:
         print(f"{kernels}: {by_kernels[kernels]}", flush=True)
         del kv, model
         sess.close()
-    return {"grid": grid, "kernels": by_kernels, "load": round(load(), 2)}
+    return {"grid": grid, "kernels": by_kernels, "read_gb_s": read_bandwidth(), "load": round(load(), 2)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint (default: the Qwen3-0.6B-shaped random one)")
-    p.add_argument("--only", choices=["workloads", "vllm", "scaling", "render"], action="append")
+    p.add_argument("--only", choices=["workloads", "vllm", "profile", "scaling", "render"], action="append")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from qwen_npu.bench import ensure_default_model
     model = args.model or str(ensure_default_model())
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    parts = args.only or ["workloads", "vllm", "scaling", "render"]
+    parts = args.only or ["workloads", "vllm", "profile", "scaling", "render"]
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     for part in parts:
         if part == "workloads":
             results["workloads"] = part_workloads(args.model, not args.no_hf)
         elif part == "vllm":
             results["vllm"] = part_vllm(model) or results.get("vllm", {})
+        elif part == "profile":
+            results["profile"] = part_profile(args.model)
         elif part == "scaling":
             results["scaling"] = part_scaling(args.model)
         if part != "render":

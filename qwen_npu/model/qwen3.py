@@ -80,8 +80,6 @@ class Qwen3Model:
                  max_positions: int | None = None):
         self.config = config
         self.kernels = kernels
-        # a kernel set may bring its own matrix product (same contract as F.linear)
-        self.linear = getattr(kernels, "linear", F.linear)
         c = config
         self.embed = weights["model.embed_tokens.weight"]               # [vocab, hidden]
         self.lm_head = weights["lm_head.weight"]                          # [vocab, hidden]
@@ -123,6 +121,7 @@ class Qwen3Model:
         ``hidden_out`` [rows_out, hidden] are optional preallocated outputs (written in place).
         """
         k_ = self.kernels
+        linear = getattr(k_, "linear", F.linear)     # a kernel set may bring its own (F.linear's contract)
         c = self.config
         t = input_ids.shape[0]
         eps = c.rms_norm_eps
@@ -138,7 +137,7 @@ class Qwen3Model:
                 h, residual = k_.add_rms_norm(x, residual, layer.input_norm, eps)
             if hook is not None:
                 h = _hooked(hook, f"layers.{i}.attn.in", h)
-            qkv = self.linear(h, layer.qkv)                                    # [tokens, q + 2 kv]
+            qkv = linear(h, layer.qkv)                                         # [tokens, q + 2 kv]
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = k_.rms_norm(q.reshape(t, c.num_attention_heads, c.head_dim), layer.q_norm, eps)
             k = k_.rms_norm(k.reshape(t, c.num_key_value_heads, c.head_dim), layer.k_norm, eps)
@@ -156,17 +155,17 @@ class Qwen3Model:
             attn = k_.paged_attention(q, key_cache, value_cache, meta, self.scale)   # [tokens, heads, hd]
             if hook is not None:
                 attn = _hooked(hook, f"layers.{i}.attn.z", attn)
-            x = self.linear(attn.reshape(t, c.q_size), layer.o)                # [tokens, hidden]
+            x = linear(attn.reshape(t, c.q_size), layer.o)                     # [tokens, hidden]
             if hook is not None:
                 x = _hooked(hook, f"layers.{i}.attn.out", x)
             h, residual = k_.add_rms_norm(x, residual, layer.post_norm, eps)
             if hook is not None:
                 h = _hooked(hook, f"layers.{i}.mlp.in", h)
-            gate, up = self.linear(h, layer.gate_up).chunk(2, dim=-1)         # [tokens, intermediate] x2
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)              # [tokens, intermediate] x2
             act = F.silu(gate) * up                                          # [tokens, intermediate]
             if hook is not None:
                 act = _hooked(hook, f"layers.{i}.mlp.act", act)
-            x = self.linear(act, layer.down)                                   # [tokens, hidden]
+            x = linear(act, layer.down)                                        # [tokens, hidden]
             if hook is not None:
                 x = _hooked(hook, f"layers.{i}.mlp.out", x)
                 # materialise the residual stream so the hook sees (and may edit) it whole
@@ -181,7 +180,7 @@ class Qwen3Model:
         if logits_out is not None and logits_out.dtype == h.dtype:
             logits = torch.mm(h, self.lm_head.t(), out=logits_out)          # [rows_out, vocab]
         else:
-            logits = self.linear(h, self.lm_head)
+            logits = linear(h, self.lm_head)
             if logits_out is not None:
                 logits = logits_out.copy_(logits)
         if hook is not None:

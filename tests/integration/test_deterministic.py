@@ -63,14 +63,3 @@ def test_deterministic_mode_is_in_the_config_and_keeps_transfers(ckpt):
     # the same steps, the same one token-id copy each, and no more h2d metadata than a batched step
     assert [(k, d2h) for k, _, d2h in out[True]] == [(k, d2h) for k, _, d2h in out[False]]
     assert all(0 < a[1] <= b[1] for a, b in zip(out[True], out[False]))
-
-
-def test_research_captures_are_refused_in_deterministic_mode(ckpt):
-    from qwen_npu import InvalidRequestError
-    sess = Session.from_pretrained(ckpt, device="cpu", kernels="reference", max_batch=2, block_size=4,
-                                   num_blocks=32, max_model_len=64, deterministic=True)
-    req = sess.add_request([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
-    with sess.capture("embed"), pytest.raises(InvalidRequestError, match="deterministic=True"):
-        sess.step()
-    assert req.status == "waiting" and req.num_computed_tokens == 0      # the refused step left no trace
-    sess.generate([[4, 5]], SamplingParams(max_new_tokens=2), progress=False)
