@@ -3,9 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-WEIGHT_BYTES_06B = 1.19e9        # every bf16 weight of Qwen3-0.6B, read once per decode step
-
-
 def _f(v, fmt="{:.1f}", none="–"):
     return none if v is None else fmt.format(v)
 
@@ -162,10 +159,11 @@ def render(res: dict, md: Path, png: Path) -> None:
         *detail_table(res),
         "",
     ]
-    if b1 and bw:
-        floor = WEIGHT_BYTES_06B / (bw * 1e9) * 1e3
+    wb = sc.get("weight_bytes")
+    if b1 and bw and wb:
+        floor = wb / (bw * 1e9) * 1e3
         lines += [f"**Batch-1 decode against the memory floor.** Reading memory ran at {bw:.1f} GB/s here "
-                  f"(one pass over 1 GiB, best of three), so a step that reads all 1.19 GB of bf16 weights "
+                  f"(one pass over 1 GiB, best of four), so a step that reads all {wb / 1e9:.2f} GB of weights "
                   f"cannot take less than {floor:.1f} ms; the batch-1 forward took {b1:.1f} ms "
                   f"({b1 / floor:.2f}x the floor).", ""]
     prof = res.get("profile", {})

@@ -163,6 +163,8 @@ def part_scaling(model_dir: str | None) -> dict:
             k.copy_(pattern.expand_as(k))
             kv.append((k, k.clone()))
         if kernels == "cpu":
+            layer_bytes = sum(t.nbytes for layer in model.layers for t in vars(layer).values())
+            weight_bytes = layer_bytes + model.lm_head.nbytes + model.norm.nbytes    # read by one decode step
             for c in contexts:
                 for b in BATCHES:
                     grid[f"{b},{c}"] = _decode_ms(model, kv, b, c, block)
@@ -172,7 +174,8 @@ def part_scaling(model_dir: str | None) -> dict:
         print(f"{kernels}: {by_kernels[kernels]}", flush=True)
         del kv, model
         sess.close()
-    return {"grid": grid, "kernels": by_kernels, "read_gb_s": read_bandwidth(), "load": round(load(), 2)}
+    return {"grid": grid, "kernels": by_kernels, "read_gb_s": read_bandwidth(), "weight_bytes": weight_bytes,
+            "load": round(load(), 2)}
 
 
 def main(argv=None) -> int:

@@ -65,17 +65,32 @@ inline void dot_rows(const float* x, int64_t M, int64_t K, const W* w, float* y,
   }
 }
 
-// Outputs [n_begin, N) by dot products, weight rows 3 at a time, spread over the threads.
+template <typename W>
+inline void dot_rows_n(int nr, const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t ldy) {
+  if (nr == 3) dot_rows<3>(x, M, K, w, y, ldy);
+  else if (nr == 2) dot_rows<2>(x, M, K, w, y, ldy);
+  else dot_rows<1>(x, M, K, w, y, ldy);
+}
+
+// Outputs [n_begin, N) by dot products, weight rows 3 at a time, spread over the threads. With
+// more than one tile of x rows, the 3 weight rows are first widened into an fp32 buffer (in L1)
+// so that each is converted once, not once per tile.
 template <typename W>
 void linear_dots(const float* x, int64_t M, int64_t K, const W* w, int64_t n_begin, int64_t N, float* y) {
   constexpr int NR = 3;
   const int64_t groups = (N - n_begin + NR - 1) / NR;
+  const bool widen = M > 4 && K % 8 == 0;
   at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
+    std::vector<float> wide(widen ? NR * K : 0);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = n_begin + g * NR;
-      if (n + NR <= N) dot_rows<NR>(x, M, K, w + n * K, y + n, N);
-      else if (N - n == 2) dot_rows<2>(x, M, K, w + n * K, y + n, N);
-      else dot_rows<1>(x, M, K, w + n * K, y + n, N);
+      const int nr = static_cast<int>(std::min<int64_t>(NR, N - n));
+      if (widen) {
+        for (int64_t i = 0; i < nr * K; i += 8) _mm256_storeu_ps(wide.data() + i, load8(w + n * K + i));
+        dot_rows_n(nr, x, M, K, static_cast<const float*>(wide.data()), y + n, N);
+      } else {
+        dot_rows_n(nr, x, M, K, w + n * K, y + n, N);
+      }
     }
   });
 }

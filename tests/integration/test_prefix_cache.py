@@ -208,3 +208,32 @@ def test_a_block_shared_by_two_running_requests_is_never_written(ckpt, monkeypat
     assert all(torch.equal(t[shared], x) for t, x in zip(kv.keys + kv.values, before))
     assert a.output_token_ids == b.output_token_ids
     assert_no_leaks(sess)
+
+
+def test_sess_blocks_is_a_frozen_snapshot_of_every_block(ckpt):
+    sess = open_session(ckpt, block_size=4, num_blocks=8)
+    base = prompts((10,), seed=10)[0]
+    a = sess.add_request(base, greedy(3))
+    sess.step()
+    snap = sess.blocks
+    text, html = repr(snap), snap._repr_html_()
+    table = a.block_table
+    assert len(snap) == 8 and [e.block_id for e in snap] == list(range(8))
+    assert [snap[b].state for b in table] == ["used"] * 3
+    assert [snap[b].request_ids for b in table] == [(a.id,)] * 3
+    assert [snap[b].token_ids for b in table] == [tuple(base[:4]), tuple(base[4:8]), tuple(base[8:])]
+    assert [snap[b].block_hash is not None for b in table] == [True, True, False]
+    assert snap[table[1]].parent_hash == snap[table[0]].block_hash
+    assert snap.counts() == {"used": 3, "cached": 0, "free": 5}
+    with pytest.raises(AttributeError):
+        snap[table[0]].ref_count = 5
+    sess.step()                                    # a decode step writes position 10 into block table[2]
+    assert repr(snap) == text and snap._repr_html_() == html
+    assert sess.blocks[table[2]].token_ids == tuple(base[8:]) + (a.output_token_ids[0],)
+    while not a.is_done:
+        sess.step()
+    after = sess.blocks
+    assert after.counts() == {"used": 0, "cached": 3, "free": 5}    # 13 tokens, 12 computed: 3 full blocks
+    assert all(e.ref_count == 0 and e.request_ids == () for e in after)
+    assert repr(after) == repr(sess.blocks) and after._repr_html_() == sess.blocks._repr_html_()
+    assert "<table" in after._repr_html_() and "cached" in repr(after)
