@@ -82,7 +82,10 @@ def part_vllm(model: str) -> dict:
     if not VLLM_PY.is_file():
         print(f"no vLLM environment at {VLLM_PY}; run {PEERS / 'run-peers'} once to make it", flush=True)
         return {}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}")
+    # as run-peers sets it; one model step of the bf16 build can take minutes on a CPU without bf16
+    # instructions, so the step timeout is raised from its default of 300 s
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+               VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="7200")
     out = {}
     for w in ("mixed", "seed"):
         before = load()
@@ -188,7 +191,7 @@ def main(argv=None) -> int:
     from qwen_npu.bench import ensure_default_model
     model = args.model or str(ensure_default_model())
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    parts = args.only or ["workloads", "vllm", "profile", "scaling", "render"]
+    parts = args.only or ["workloads", "profile", "scaling", "vllm", "render"]
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     for part in parts:
         if part == "workloads":

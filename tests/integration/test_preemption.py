@@ -1,9 +1,9 @@
 """Preemption instead of failure: a tiny cache finishes every request with the large cache's tokens."""
 import pytest
-
 from cache_kit import assert_no_leaks, assert_same_outputs, run_logits
-from qwen_npu import OutOfBlocksError
 from session_kit import greedy, make_untied, open_session, prompts, state
+
+from qwen_npu import OutOfBlocksError
 
 
 @pytest.fixture(scope="module")

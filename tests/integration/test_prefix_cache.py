@@ -1,7 +1,6 @@
 """The prefix cache seen from the Session: what a step computes, what it reuses, what it shares."""
 import pytest
 import torch
-
 from cache_kit import TOL, assert_no_leaks, assert_same_outputs, record_dispatch, run_logits, written_blocks
 from session_kit import greedy, make_untied, open_session, prompts
 

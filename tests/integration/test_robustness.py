@@ -1,11 +1,11 @@
 """Abort anywhere, reset, and errors inside a step: every other request stays intact and runnable."""
 import pytest
+from cache_kit import assert_no_leaks, assert_same_outputs, run_logits
+from session_kit import greedy, make_untied, open_session, prompts, state
 
 import qwen_npu.session
-from cache_kit import assert_no_leaks, assert_same_outputs, run_logits
 from qwen_npu import InvalidRequestError, SlotCollisionError
 from qwen_npu.cache.manager import PrefixCacheStats
-from session_kit import greedy, make_untied, open_session, prompts, state
 
 
 @pytest.fixture(scope="module")
@@ -133,17 +133,14 @@ def test_an_error_inside_the_forward_leaves_every_request_runnable(ckpt):
     sess.step()
     sess.step()
 
-    def failing(name, x):
-        if name == "layers.1.attn.out":         # layer 0 and 1 have written K/V by now
-            raise RuntimeError("injected failure")
-        return None
+    def failing(x):
+        raise RuntimeError("injected failure")
 
-    sess._engine.hook = failing
     before = state(sess)
-    with pytest.raises(RuntimeError, match="injected failure"):
-        sess.step()
+    with sess.intervene("layers.1.attn.out", failing):       # layers 0 and 1 have written K/V by now
+        with pytest.raises(RuntimeError, match="injected failure"):
+            sess.step()
     assert state(sess) == before
-    sess._engine.hook = None
     finish(sess, reqs)
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in want[0]]
     assert_no_leaks(sess)

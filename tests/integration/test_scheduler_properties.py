@@ -4,10 +4,10 @@ Tiny caches (a few blocks of 1..4 slots) force preemption; prompts drawn from a 
 alphabet repeat prefixes, so blocks are shared, published, cached and evicted all the time.
 """
 import pytest
+from cache_kit import assert_no_leaks, live_slot_problems
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_kit import assert_no_leaks, live_slot_problems
 from qwen_npu import InvalidRequestError, OutOfBlocksError, SamplingParams, Session
 
 MAX_MODEL_LEN = 16
