@@ -45,7 +45,8 @@ NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("module.cpp", "linear.cpp", "attention.cpp", "norm.cpp")
 HEADERS = ("vec.h",)
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off")
+# -fopenmp: at::parallel_for is a header template; without it the kernels would run on one thread
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 # From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).
 PANEL_ROWS = 16
 
@@ -84,7 +85,7 @@ def ops():
         digest.update((CSRC / name).read_bytes())
     return cpp_extension.load(name=f"qwen_npu_cpu_{digest.hexdigest()[:12]}",
                               sources=[str(CSRC / n) for n in SOURCES], extra_cflags=list(CFLAGS),
-                              extra_include_paths=[str(CSRC)], verbose=False)
+                              extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], verbose=False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
