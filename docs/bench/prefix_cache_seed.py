@@ -32,11 +32,12 @@ def run(ckpt: Path, prompts, sampling, device: str, prefix_cache: bool):
     seconds = time.perf_counter() - t
     steps = list(sess.history)
     prefill = [s for s in steps if s.kind == "prefill"]
-    return dict(prefix_cache=prefix_cache, seconds=round(seconds, 3), steps=len(steps),
-                prefill_steps=len(prefill), prefill_tokens=sum(int(s.query_lens.sum()) for s in prefill),
-                prefill_forward_s=round(sum(s.timings.get("forward", 0.0) for s in prefill), 3),
-                hit_tokens=sess.prefix_cache_stats.hit_tokens,
-                out_tokens=sum(len(c.token_ids) for c in outs)), [c.token_ids for c in outs]
+    result = {"prefix_cache": prefix_cache, "seconds": round(seconds, 3), "steps": len(steps),
+              "prefill_steps": len(prefill), "prefill_tokens": sum(int(s.query_lens.sum()) for s in prefill),
+              "prefill_forward_s": round(sum(s.timings.get("forward", 0.0) for s in prefill), 3),
+              "hit_tokens": sess.prefix_cache_stats.hit_tokens,
+              "out_tokens": sum(len(c.token_ids) for c in outs)}
+    return result, [c.token_ids for c in outs]
 
 
 def main() -> None:

@@ -48,25 +48,12 @@ class TokenByTokenRunner(ModelRunner):
     def dispatch(self, plan: StepPlan, timings: dict, transfers: dict, *,
                  hook: Hook | None = None) -> tuple[OutputBuffer, OutputBuffer, int]:
         t0 = time.perf_counter()
-        b = self.buffers
+        meta = self.fill(plan, transfers)
+        logits_buf, hidden_buf = self.outputs(plan.kind)
         pre = "" if plan.kind == "decode" else "prefill."
-        rows, tokens, out_rows = len(plan.rows), plan.num_tokens, len(plan.logits_index)
-        width = max(len(t) for t in plan.block_tables) or 1
-        tables = torch.full((rows, width), -1, dtype=torch.int32)            # [rows, width]
-        for r, t in enumerate(plan.block_tables):
-            tables[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        h2d = b.fill(pre + "input_ids", torch.tensor(plan.input_ids, dtype=torch.int64))
-        h2d += b.fill(pre + "positions", torch.tensor(plan.positions, dtype=torch.int64))
-        h2d += b.fill(pre + "slot_mapping", torch.tensor(plan.slot_mapping, dtype=torch.int64))
-        h2d += b.fill(pre + "block_tables", tables)
-        transfers["h2d"] += h2d
-        input_ids, positions = b.view(pre + "input_ids", tokens), b.view(pre + "positions", tokens)
-        slots, block_tables = b.view(pre + "slot_mapping", tokens), b.view(pre + "block_tables", rows)
-        cfg = self.model.config
-        logits_buf = b.output(plan.kind, "logits", b.max_batch, cfg.vocab_size, torch.float32)
-        hidden_buf = b.output(plan.kind, "hidden", b.max_batch, cfg.hidden_size, self.model.dtype)
-        logits_buf.generation += 1
-        hidden_buf.generation += 1
+        b, tokens, out_rows = self.buffers, plan.num_tokens, len(plan.logits_index)
+        input_ids = b.view(pre + "input_ids", tokens)
+        positions, slots, block_tables = meta.positions, meta.slot_mapping, meta.block_tables
         out_row = {token: i for i, token in enumerate(plan.logits_index)}
         row_of = [r for r, n in enumerate(plan.query_lens) for _ in range(n)]
         kv = self.kv_cache.layers()

@@ -26,11 +26,27 @@ class ModelRunner:
                  hook: Hook | None = None) -> tuple[OutputBuffer, OutputBuffer, int]:
         """Run the plan; returns (logits buffer, hidden buffer, rows written to them)."""
         t0 = time.perf_counter()
+        meta = self.fill(plan, transfers)
+        logits_buf, hidden_buf = self.outputs(plan.kind)
+        pre = "" if plan.kind == "decode" else "prefill."
+        b, out_rows = self.buffers, len(plan.logits_index)
+        t1 = time.perf_counter()
+        timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
+        with torch.no_grad():
+            self.model(b.view(pre + "input_ids", plan.num_tokens), meta, self.kv_cache.layers(),
+                       b.view(pre + "logits_index", out_rows),
+                       logits_out=logits_buf.tensor[:out_rows], hidden_out=hidden_buf.tensor[:out_rows],
+                       hook=hook)
+        timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
+        return logits_buf, hidden_buf, out_rows
+
+    def fill(self, plan: StepPlan, transfers: dict) -> AttentionMetadata:
+        """Copy the plan into rows [0, n) of its buffer set; returns metadata over views [:n]."""
         b = self.buffers
         pre = "" if plan.kind == "decode" else "prefill."
-        rows, tokens, out_rows = len(plan.rows), plan.num_tokens, len(plan.logits_index)
+        rows, tokens = len(plan.rows), plan.num_tokens
         width = max(len(t) for t in plan.block_tables) or 1
-        tables = torch.full((rows, width), -1, dtype=torch.int32)
+        tables = torch.full((rows, width), -1, dtype=torch.int32)            # [rows, width]
         for r, t in enumerate(plan.block_tables):
             tables[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
         qsl = [0]
@@ -44,7 +60,7 @@ class ModelRunner:
         h2d += b.fill(pre + "query_start_loc", torch.tensor(qsl, dtype=torch.int32))
         h2d += b.fill(pre + "logits_index", torch.tensor(plan.logits_index, dtype=torch.int64))
         transfers["h2d"] += h2d
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             positions=b.view(pre + "positions", tokens),
             slot_mapping=b.view(pre + "slot_mapping", tokens),
             block_tables=b.view(pre + "block_tables", rows),
@@ -54,18 +70,12 @@ class ModelRunner:
             seq_lens_host=tuple(plan.seq_lens),
             is_decode=plan.kind == "decode",
         )
-        kind = plan.kind
-        cfg = self.model.config
+
+    def outputs(self, kind: str) -> tuple[OutputBuffer, OutputBuffer]:
+        """The (logits, hidden) output buffers of ``kind``, their generation bumped for a new step."""
+        b, cfg = self.buffers, self.model.config
         logits_buf = b.output(kind, "logits", b.max_batch, cfg.vocab_size, torch.float32)
         hidden_buf = b.output(kind, "hidden", b.max_batch, cfg.hidden_size, self.model.dtype)
         logits_buf.generation += 1
         hidden_buf.generation += 1
-        t1 = time.perf_counter()
-        timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
-        with torch.no_grad():
-            self.model(b.view(pre + "input_ids", tokens), meta, self.kv_cache.layers(),
-                       b.view(pre + "logits_index", out_rows),
-                       logits_out=logits_buf.tensor[:out_rows], hidden_out=hidden_buf.tensor[:out_rows],
-                       hook=hook)
-        timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
-        return logits_buf, hidden_buf, out_rows
+        return logits_buf, hidden_buf

@@ -137,9 +137,9 @@ def test_an_error_inside_the_forward_leaves_every_request_runnable(ckpt):
         raise RuntimeError("injected failure")
 
     before = state(sess)
-    with sess.intervene("layers.1.attn.out", failing):       # layers 0 and 1 have written K/V by now
-        with pytest.raises(RuntimeError, match="injected failure"):
-            sess.step()
+    # layers 0 and 1 have written K/V when the forward fails
+    with sess.intervene("layers.1.attn.out", failing), pytest.raises(RuntimeError, match="injected failure"):
+        sess.step()
     assert state(sess) == before
     finish(sess, reqs)
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in want[0]]
