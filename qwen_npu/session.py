@@ -9,8 +9,6 @@ Every step is refused with a clear error, before any state changes, when it cann
 from __future__ import annotations
 
 import collections
-import dataclasses
-import os
 import random
 import time
 from pathlib import Path
@@ -18,23 +16,21 @@ from pathlib import Path
 import torch
 
 from . import chat
-from . import device as devices
 from .config import ModelConfig, SessionConfig
 from .engine import sampler
+from .engine.admission import prepare_request
 from .engine.engine import Engine, check_not_pending
 from .engine.outputs import StepResult
 from .engine.plan import build_plan
 from .engine.request import ABORTED, DECODING, PREFILLING, WAITING, Completion, Request, SamplingParams
 from .engine.scheduler import Scheduler
 from .engine.undo import SchedulingUndo
-from .errors import InvalidRequestError, OutOfBlocksError
-from .kernels import get_kernels
-from .model.loader import load_checkpoint
+from .errors import InvalidRequestError
+from .loading import load_session
 from .model.qwen3 import Qwen3Model
 from .tokenizer import Tokenizer
 
 HISTORY = 256
-CPU_KV_BUDGET = 4 << 30
 
 
 class Session:
@@ -63,39 +59,14 @@ class Session:
     def from_pretrained(cls, path, *, device="auto", dtype="auto", max_batch=16, block_size=None,
                         num_blocks=None, max_model_len=None, chunk_size=512, prefix_cache=True,
                         device_outputs=None, slot_check="raise", decode_padding="runtime",
-                        kernels="auto", kv_memory=None, deterministic=False) -> "Session":
+                        kernels="auto", kv_memory=None, deterministic=False) -> Session:
         """Load a Hugging Face Qwen3 checkpoint folder into a new Session (see the API docs)."""
-        from . import memory
-        path = Path(path)
-        if kv_memory is not None:
-            if num_blocks is not None:
-                raise InvalidRequestError("Session.from_pretrained: give num_blocks or kv_memory, not both")
-            memory.parse_memory(kv_memory)
-        dev = devices.resolve_device(device)
-        _check_choice("slot_check", slot_check, ("raise", "warn", "off"))
-        _check_choice("decode_padding", decode_padding, ("runtime", "replicate"))
-        for name, v in (("max_batch", max_batch), ("chunk_size", chunk_size)):
-            if not isinstance(v, int) or v < 1:
-                raise InvalidRequestError(f"Session.from_pretrained: {name}={v!r} must be an int >= 1")
-        kernel_name = devices.resolve_kernels(kernels, dev)
-        if device_outputs is None:
-            device_outputs = os.environ.get("QWEN_NPU_DEVICE_OUTPUTS", "1").strip() != "0"
-        mc = ModelConfig.from_pretrained(path)
-        max_model_len = max_model_len or min(mc.max_position_embeddings, 8192)
-        block_size = block_size or devices.default_block_size(dev)
-        load_dtype = None if dtype == "auto" else dtype
-        _, weights = load_checkpoint(path, dtype=load_dtype, device=dev)
-        model = Qwen3Model(mc, weights, get_kernels(kernel_name), max_positions=max_model_len)
-        if kv_memory is not None:
-            num_blocks = memory.blocks_for_model(kv_memory, mc, model.dtype, dev, block_size)
-        if num_blocks is None:
-            num_blocks = _default_num_blocks(mc, model.dtype, dev, max_batch, max_model_len, block_size)
-        config = SessionConfig(
-            device=str(dev), dtype=str(model.dtype).removeprefix("torch."), max_batch=max_batch,
-            block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=chunk_size,
-            prefix_cache=bool(prefix_cache), device_outputs=bool(device_outputs), slot_check=slot_check,
-            decode_padding=decode_padding, kernels=kernel_name, deterministic=bool(deterministic))
-        return cls(model, config, path=path, tokenizer=Tokenizer.load(path))
+        model, config, tokenizer = load_session(
+            path, device=device, dtype=dtype, max_batch=max_batch, block_size=block_size,
+            num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=chunk_size,
+            prefix_cache=prefix_cache, device_outputs=device_outputs, slot_check=slot_check,
+            decode_padding=decode_padding, kernels=kernels, kv_memory=kv_memory, deterministic=deterministic)
+        return cls(model, config, path=Path(path), tokenizer=tokenizer)
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt, sampling: SamplingParams | None = None, *,
@@ -110,56 +81,8 @@ class Session:
     def _prepare(self, prompt, sampling,
                  chat_kwargs: dict | None = None) -> tuple[list[int], str | None, SamplingParams]:
         """Validate one prompt without changing any state."""
-        if sampling is None:
-            sampling = SamplingParams()
-        elif isinstance(sampling, dict):
-            sampling = SamplingParams(**sampling)
-        elif not isinstance(sampling, SamplingParams):
-            raise InvalidRequestError(f"sampling must be a SamplingParams, a dict or None, not {type(sampling).__name__}")
-        sampling.validate()
-        sampling.validate_for(self.model_config.vocab_size, has_tokenizer=self.tokenizer is not None)
-        text = None
-        if chat.is_messages(prompt):
-            prompt = chat.apply_chat_template(self.tokenizer, prompt, where=str(self.path),
-                                              **(chat_kwargs or {}))
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(f"{self.path}: this checkpoint has no tokenizer.json, so prompts "
-                                          f"must be lists of token ids, not text")
-            text, prompt = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, torch.Tensor):
-            prompt = prompt.flatten().tolist()
-        try:
-            items = list(prompt)
-        except TypeError:
-            raise InvalidRequestError(f"prompt must be a str or a list of int token ids, not {type(prompt).__name__}") from None
-        ids = []
-        for i, t in enumerate(items):          # ints only: int(1.5) or int(True) would pass silently
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                ids.append(t.__index__())
-            except (AttributeError, TypeError, RuntimeError):
-                raise InvalidRequestError(f"prompt token {i} is {t!r} ({type(t).__name__}); token ids must be ints") from None
-        if not ids:
-            raise InvalidRequestError("prompt is empty: a request needs at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
-        if bad:
-            i, t = bad[0]
-            raise InvalidRequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {vocab})")
-        total = len(ids) + sampling.max_new_tokens
-        if total > self.config.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} exceeds "
-                f"max_model_len={self.config.max_model_len}")
-        need = -(-(total - 1) // self.config.block_size)    # the last sampled token is never computed
-        if need > self.config.num_blocks:
-            raise OutOfBlocksError(
-                f"a request of up to {total} tokens computes {total - 1} and needs {need} blocks of "
-                f"{self.config.block_size}, but the cache has only {self.config.num_blocks}; raise num_blocks "
-                f"or lower max_new_tokens")
-        return ids, text, sampling
+        return prepare_request(prompt, sampling, self.model_config, self.config, self.tokenizer,
+                               where=str(self.path), chat_kwargs=chat_kwargs)
 
     def _add(self, ids: list[int], text: str | None, sampling: SamplingParams) -> Request:
         rid = self._engine.new_request_id()
@@ -366,7 +289,7 @@ class Session:
         from .memory import close_session
         close_session(self)
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -453,7 +376,7 @@ class Session:
         from .research.attention import attention_pattern
         return attention_pattern(self, request, layer, head, positions)
 
-    def fork(self, sampling=None) -> "Session":
+    def fork(self, sampling=None) -> Session:
         """A new Session that branches from this one, sharing its KV blocks copy-on-write.
         See ``qwen_npu.research.fork``."""
         from .research.fork import fork_session
@@ -466,22 +389,5 @@ class Session:
 
     def _repr_html_(self) -> str:
         if self.closed:
-            return f"<div>{repr(self)}</div>"
+            return f"<div>{self!r}</div>"
         return self.snapshot()._repr_html_()
-
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise InvalidRequestError(f"{name}={value!r}: choose one of {', '.join(map(repr, choices))}")
-
-
-def _default_num_blocks(mc: ModelConfig, dtype, dev, max_batch, max_model_len, block_size) -> int:
-    from .cache.kv_cache import bytes_per_block
-    per_block = bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads, mc.head_dim, dtype)
-    per_seq = -(-max_model_len // block_size)
-    want = max_batch * per_seq
-    if dev.type == "cpu":
-        budget = CPU_KV_BUDGET
-    else:
-        budget = devices.free_memory(dev) // 2
-    return max(per_seq, min(want, budget // per_block))
