@@ -5,7 +5,8 @@
     ─> (--compare hf) the same workload through Hugging Face ``generate``
 
 Greedy, EOS ignored (each request produces exactly its count), ``max_batch`` 16,
-``max_model_len`` 2048. ``seconds`` is the timed part only. The default checkpoint has the
+``max_model_len`` 2048. ``seconds`` is the timed part only. As in the peer scripts, the warm-up
+prompt is the first 32 tokens of the first request (so the prefix cache may hold them). The default checkpoint has the
 shapes of Qwen3-0.6B with random bf16 weights; it is written once into a cache folder.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from . import device as devices
 from . import workloads
+from .config import ModelConfig
 from .engine.request import SamplingParams
 from .errors import InvalidRequestError
 
@@ -106,9 +108,9 @@ def run_workload(sess, work: workloads.Workload) -> dict:
 
 
 def decode_probe(sess, batch: int, *, context: int = PROBE_CONTEXT, steps: int = PROBE_STEPS) -> float:
-    """Median milliseconds of a decode step with ``batch`` rows at a context of ``context``..
+    """Median milliseconds of a whole decode step with ``batch`` rows at a context of ``context``.
 
-    The rows share one prompt (with the prefix cache on, it is computed once).
+    The rows share one prompt (with the prefix cache on, it is computed once). Resets the session.
     """
     sess.reset()
     prompt = workloads.custom(context, 1, n=1)[0][0]
@@ -147,7 +149,6 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
     if not work:
         raise InvalidRequestError("the workload is empty")
     path = Path(model) if model is not None else ensure_default_model(log=log)
-    from .config import ModelConfig
     vocab = ModelConfig.from_pretrained(path).vocab_size
     top = max(max(p) for p, _ in work)
     if top >= vocab:

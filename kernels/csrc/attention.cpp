@@ -4,8 +4,8 @@
 // for the row's i-th token, read through the row's block table; nothing outside that is read.
 // Work items are (row, a tile of consecutive tokens of that row, KV head):
 //
-//   one token (decode)    scores q . k per position, softmax, weighted sum of v: the K/V of the
-//                         context stream through once, memory bound.
+//   one token (decode)    scores q . k for 8 positions at a time, softmax, weighted sum of v
+//                         with the accumulators in registers: the K/V stream through once.
 //   several tokens        flash-style: the G heads of the KV head times up to TILE_TOKENS tokens
 //   (prefill chunks)      form MQ <= 16 query rows; per chunk of CHUNK positions, K is
 //                         transposed into [D][16] blocks and S = Q K^T, online softmax, and
@@ -33,7 +33,85 @@ inline const S* kv_row(const S* cache, const int32_t* table, int64_t p, int64_t 
   return cache + table[p / g.BS] * g.block_stride() + (p % g.BS) * g.pos_stride() + kvh * g.D;
 }
 
-// One token, all G heads of KV head kvh, over positions [0, n).
+// Sums of 8 accumulators: [hsum(a0), ..., hsum(a7)] in one vector.
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// scores[p] = qh . k_p for positions [p0, p0 + 8), D % 8 == 0.
+template <typename S>
+inline void scores8(const float* qh, const S* kc, const int32_t* table, int64_t p0, int64_t kvh, const Geometry& g,
+                    float* scores) {
+  const S* k[8];
+  for (int i = 0; i < 8; ++i) k[i] = kv_row(kc, table, p0 + i, kvh, g);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < g.D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(qh + d);
+    a0 = _mm256_fmadd_ps(qv, load8(k[0] + d), a0);
+    a1 = _mm256_fmadd_ps(qv, load8(k[1] + d), a1);
+    a2 = _mm256_fmadd_ps(qv, load8(k[2] + d), a2);
+    a3 = _mm256_fmadd_ps(qv, load8(k[3] + d), a3);
+    a4 = _mm256_fmadd_ps(qv, load8(k[4] + d), a4);
+    a5 = _mm256_fmadd_ps(qv, load8(k[5] + d), a5);
+    a6 = _mm256_fmadd_ps(qv, load8(k[6] + d), a6);
+    a7 = _mm256_fmadd_ps(qv, load8(k[7] + d), a7);
+  }
+  _mm256_storeu_ps(scores + p0, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+}
+
+// out[h][d0, d0 + 32) = sum_p w[h][p] v_p[d0, d0 + 32) for heads h0 (and h0 + 1 when two),
+// accumulated in registers over all positions.
+template <typename S, int HEADS>
+inline void weighted32(const float* w, int64_t n, const S* vc, const int32_t* table, int64_t kvh, const Geometry& g,
+                       int64_t d0, float* out, int64_t ld_out) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+  for (int64_t p = 0; p < n; ++p) {
+    const S* v = kv_row(vc, table, p, kvh, g) + d0;
+    const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+    const __m256 w0 = _mm256_broadcast_ss(w + p);
+    c00 = _mm256_fmadd_ps(w0, v0, c00); c01 = _mm256_fmadd_ps(w0, v1, c01);
+    c02 = _mm256_fmadd_ps(w0, v2, c02); c03 = _mm256_fmadd_ps(w0, v3, c03);
+    if constexpr (HEADS == 2) {
+      const __m256 w1 = _mm256_broadcast_ss(w + n + p);
+      c10 = _mm256_fmadd_ps(w1, v0, c10); c11 = _mm256_fmadd_ps(w1, v1, c11);
+      c12 = _mm256_fmadd_ps(w1, v2, c12); c13 = _mm256_fmadd_ps(w1, v3, c13);
+    }
+  }
+  _mm256_storeu_ps(out + d0, c00); _mm256_storeu_ps(out + d0 + 8, c01);
+  _mm256_storeu_ps(out + d0 + 16, c02); _mm256_storeu_ps(out + d0 + 24, c03);
+  if constexpr (HEADS == 2) {
+    float* o1 = out + ld_out + d0;
+    _mm256_storeu_ps(o1, c10); _mm256_storeu_ps(o1 + 8, c11);
+    _mm256_storeu_ps(o1 + 16, c12); _mm256_storeu_ps(o1 + 24, c13);
+  }
+}
+
+// scores[h][p] = q_h . k_p for two heads (h = 0, 1; score rows ld apart) and positions
+// [p0, p0 + 4): each K vector is widened once for both heads. D % 8 == 0.
+template <typename S>
+inline void scores4x2(const float* q0, const float* q1, const S* kc, const int32_t* table, int64_t p0, int64_t kvh,
+                      const Geometry& g, float* scores, int64_t ld) {
+  const S* k[4];
+  for (int i = 0; i < 4; ++i) k[i] = kv_row(kc, table, p0 + i, kvh, g);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int64_t d = 0; d < g.D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q0 + d), y = _mm256_loadu_ps(q1 + d);
+    const __m256 k0 = load8(k[0] + d), k1 = load8(k[1] + d), k2 = load8(k[2] + d), k3 = load8(k[3] + d);
+    a0 = _mm256_fmadd_ps(x, k0, a0); a1 = _mm256_fmadd_ps(x, k1, a1);
+    a2 = _mm256_fmadd_ps(x, k2, a2); a3 = _mm256_fmadd_ps(x, k3, a3);
+    b0 = _mm256_fmadd_ps(y, k0, b0); b1 = _mm256_fmadd_ps(y, k1, b1);
+    b2 = _mm256_fmadd_ps(y, k2, b2); b3 = _mm256_fmadd_ps(y, k3, b3);
+  }
+  const __m256 s = hsum8(a0, a1, a2, a3, b0, b1, b2, b3);      // [h0 p0..p3 | h1 p0..p3]
+  _mm_storeu_ps(scores + p0, _mm256_castps256_ps128(s));
+  _mm_storeu_ps(scores + ld + p0, _mm256_extractf128_ps(s, 1));
+}
+
+// One token, all G heads of KV head kvh, over positions [0, n): scores, softmax, weighted sum
+// of V. The K/V of the context stream through once per head (scores) and once per pair of
+// heads (weighted sum), with every accumulator in registers when D is a multiple of 32.
 template <typename S>
 void attend_token(const S* q, const S* kc, const S* vc, const int32_t* table, int64_t n, int64_t kvh, float scale,
                   const Geometry& g, S* out, std::vector<float>& work) {
@@ -44,16 +122,23 @@ void attend_token(const S* q, const S* kc, const S* vc, const int32_t* table, in
   float* scores = acc + G * D;
   for (int64_t h = 0; h < G; ++h)
     for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(q[h * D + d]) * scale;
-  for (int64_t p = 0; p < n; ++p) {
-    const S* k = kv_row(kc, table, p, kvh, g);
-    for (int64_t h = 0; h < G; ++h) {
-      const float* qh = qf + h * D;
-      __m256 a = _mm256_setzero_ps();
-      int64_t d = 0;
-      for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), a);
-      float s = hsum(a);
-      for (; d < D; ++d) s += qh[d] * to_f(k[d]);
-      scores[h * n + p] = s;
+  int64_t paired = 0;                                   // heads whose scores are done in pairs
+  if (D % 8 == 0) {
+    for (; paired + 2 <= G; paired += 2)
+      for (int64_t p = 0; p + 4 <= n; p += 4)
+        scores4x2(qf + paired * D, qf + (paired + 1) * D, kc, table, p, kvh, g, scores + paired * n, n);
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    const float* qh = qf + h * D;
+    float* sh = scores + h * n;
+    int64_t p = h < paired ? n - n % 4 : 0;
+    if (h >= paired && D % 8 == 0)
+      for (; p + 8 <= n; p += 8) scores8(qh, kc, table, p, kvh, g, sh);
+    for (; p < n; ++p) {
+      const S* k = kv_row(kc, table, p, kvh, g);
+      float s = 0.0f;
+      for (int64_t d = 0; d < D; ++d) s += qh[d] * to_f(k[d]);
+      sh[p] = s;
     }
   }
   for (int64_t h = 0; h < G; ++h) {
@@ -73,16 +158,20 @@ void attend_token(const S* q, const S* kc, const S* vc, const int32_t* table, in
     const float inv = 1.0f / sum;
     for (p = 0; p < n; ++p) s[p] *= inv;
   }
-  std::fill(acc, acc + G * D, 0.0f);
-  for (int64_t p = 0; p < n; ++p) {
-    const S* v = kv_row(vc, table, p, kvh, g);
-    for (int64_t h = 0; h < G; ++h) {
-      const float w = scores[h * n + p];
-      const __m256 wv = _mm256_set1_ps(w);
-      float* a = acc + h * D;
-      int64_t d = 0;
-      for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(wv, load8(v + d), _mm256_loadu_ps(a + d)));
-      for (; d < D; ++d) a[d] += w * to_f(v[d]);
+  if (D % 32 == 0) {
+    int64_t h = 0;
+    for (; h + 2 <= G; h += 2)
+      for (int64_t d0 = 0; d0 < D; d0 += 32) weighted32<S, 2>(scores + h * n, n, vc, table, kvh, g, d0, acc + h * D, D);
+    for (; h < G; ++h)
+      for (int64_t d0 = 0; d0 < D; d0 += 32) weighted32<S, 1>(scores + h * n, n, vc, table, kvh, g, d0, acc + h * D, D);
+  } else {
+    std::fill(acc, acc + G * D, 0.0f);
+    for (int64_t p = 0; p < n; ++p) {
+      const S* v = kv_row(vc, table, p, kvh, g);
+      for (int64_t h = 0; h < G; ++h) {
+        const float w = scores[h * n + p];
+        for (int64_t d = 0; d < D; ++d) acc[h * D + d] += w * to_f(v[d]);
+      }
     }
   }
   for (int64_t h = 0; h < G; ++h)

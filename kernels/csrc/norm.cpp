@@ -52,7 +52,8 @@ void rms_rows(const T* x, const T* residual, const T* w, int64_t n, float eps, T
 template <typename T>
 void rms_norm_kernel(const T* x, const T* residual, const T* w, int64_t rows, int64_t n, float eps, T* out,
                      T* sum_out) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
+  // 64K elements per thread at least: a decode step's norms run inline, with no parallel region
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> tmp;
     rms_rows(x, residual, w, n, eps, out, sum_out, r0, r1, tmp);
@@ -65,7 +66,8 @@ template <typename T>
 void rope_kernel(const T* q, const T* k, const float* cos, const float* sin, int64_t tokens, int64_t heads,
                  int64_t kv_heads, int64_t d, T* qo, T* ko) {
   const int64_t half = d / 2;
-  at::parallel_for(0, tokens, 64, [&](int64_t t0, int64_t t1) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>((heads + kv_heads) * d, 1));
+  at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> c(d), s(d), x(d);
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t i = 0; i < d; ++i) {

@@ -74,12 +74,15 @@ def test_paged_attention_matches_dense(rows, block_size, gqa, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_long_context_and_wide_heads(dtype):
-    """head_dim 128 and contexts past one vector width exercise the vector paths and their tails."""
-    rows = [(130, 1), (0, 37), (61, 9)]
-    meta, query, kc, vc, dense, _ = build_case(rows, 16, 2, 2, 128, dtype, seed=3)
-    out = cpu.paged_attention(query, kc, vc, meta, 128 ** -0.5)
-    torch.testing.assert_close(out.double(), naive_attention(query, rows, dense, 2, 128 ** -0.5), **TOL[dtype])
+@pytest.mark.parametrize("gqa, head_dim", [(2, 128), (1, 32), (5, 64), (3, 24)])
+def test_paged_attention_long_context_and_wide_heads(dtype, gqa, head_dim):
+    """Wide heads and contexts past several vector widths exercise the vector paths and their
+    tails: decode rows of 130 and 7 positions, prefill tiles, odd head counts per KV head."""
+    rows = [(129, 1), (6, 1), (0, 37), (61, 9)]
+    meta, query, kc, vc, dense, _ = build_case(rows, 16, 2, gqa, head_dim, dtype, seed=3)
+    scale = head_dim ** -0.5
+    out = cpu.paged_attention(query, kc, vc, meta, scale)
+    torch.testing.assert_close(out.double(), naive_attention(query, rows, dense, gqa, scale), **TOL[dtype])
 
 
 @pytest.mark.parametrize("poison", [float("nan"), 1e30, float("inf")])
