@@ -168,6 +168,8 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
         log(f"loaded {path} in {load_s:.1f} s ({cfg.dtype}, {cfg.device}, kernels {cfg.kernels}); running "
             f"{name}: {len(work)} requests")
     result = {"engine": "qwen-npu", "workload": name, **run_workload(sess, work)}
+    if log:
+        log(f"{name}: {result['seconds']:.2f} s, {result['out_tok_s']:.1f} output tok/s")
     if probes:
         result["decode_ms_b1"] = decode_probe(sess, 1)
         result["decode_ms_b16"] = decode_probe(sess, MAX_BATCH)
@@ -264,8 +266,7 @@ def bench_command(args) -> int:
         print(msg, file=sys.stderr, flush=True)
     try:
         result = run_bench(work, model=args.model, compare=args.compare, device=args.device, kernels=args.kernels,
-                           prefix_cache=not args.no_prefix_cache, probes=not args.no_probes,
-                           log=None if args.json else log)
+                           prefix_cache=not args.no_prefix_cache, probes=not args.no_probes, log=log)
     except InvalidRequestError as e:
         raise SystemExit(f"qwen-npu bench: {e}") from None
     print(json.dumps(result, separators=(",", ":")) if args.json else format_text(result), flush=True)

@@ -199,9 +199,10 @@ def render(res: dict, md: Path, png: Path) -> None:
             lines += [f"![decode step time and throughput by batch and context](bench/{png.name})", ""]
     if ours:
         lines += ["## Earlier figures", "",
-                  "Before this page, the peers were measured with the same scripts on another 2-core host whose",
-                  "CPU multiplies bf16 natively (about 960 GFLOP/s for bf16 matrix products): vLLM 26.2 s on",
+                  "Before this page, the peers were measured with the same scripts on another 2-core host, where",
+                  "bf16 matrix products reached about 960 GFLOP/s and memory about 48 GB/s: vLLM 26.2 s on",
                   "`mixed` and 7.8 s on `seed`, Hugging Face 82.6 s and 33.9 s. They are not comparable with",
-                  "the table above: on a CPU without bf16 instructions every engine computes in fp32, which",
-                  "caps two cores at about 2 x 32 flops per cycle.", ""]
+                  "the tables above. On a CPU without bf16 instructions, torch's bf16 matrix products run at",
+                  "under 10 GFLOP/s, and an engine that computes in fp32 instead is capped at 2 x 32 flops per",
+                  "cycle on two cores; memory bandwidth was also lower here (see the floor above).", ""]
     md.write_text("\n".join(lines))

@@ -13,7 +13,8 @@ Parts, each saved into docs/bench/results.json as it finishes:
   scaling    one decode forward for batch 1..16 x context 128..4096 (KV blocks of distinct memory
              per row, filled with random values), the same at batch 1 / 16 by kernel set, and the
              memory read bandwidth
-Then the page and the plot (docs/bench/decode_scaling.png) are written from the results.
+Then the page and the plot (docs/bench/decode_scaling.png) are written from the results. The
+stderr of every run goes to $TMPDIR/qwen-npu-bench/.
 Keep the machine otherwise idle while it runs: every figure is a wall-clock time.
 """
 from __future__ import annotations
@@ -26,12 +27,14 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RESULTS = HERE / "results.json"
+LOGS = Path(tempfile.gettempdir()) / "qwen-npu-bench"          # each run's stderr
 PEERS = ROOT.parent / "shared" / "peers"
 VLLM_PY = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen-npu-peers" / "vllm" / "bin" / "python"
 BATCHES = (1, 2, 4, 8, 16)
@@ -57,42 +60,49 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
-def run_json(cmd: list[str], env=None) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+def run_json(cmd: list[str], log: Path, env=None) -> dict:
+    """Run ``cmd``, its stderr into ``log``; the last JSON line it prints."""
+    LOGS.mkdir(exist_ok=True)
+    with open(log, "w") as err:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}); see {log}")
     return json.loads(lines[-1])
 
 
-def part_workloads(model: str | None, hf: bool) -> dict:
-    out = {}
+def save(results: dict) -> None:
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def part_workloads(model: str | None, hf: bool, results: dict) -> None:
+    out = results.setdefault("workloads", {})
     for w in ("mixed", "seed"):
         cmd = [sys.executable, "-m", "qwen_npu.cli", "bench", "--workload", w, "--json"]
         cmd += ["--model", model] if model else []
         cmd += ["--compare", "hf"] if hf else []
         before = load()
-        out[w] = run_json(cmd)
+        out[w] = run_json(cmd, LOGS / f"{w}.txt")
         out[w]["load_before"], out[w]["load_after"] = round(before, 2), round(load(), 2)
+        save(results)
         print(f"{w}: {out[w]['seconds']} s", flush=True)
-    return out
 
 
-def part_vllm(model: str) -> dict:
+def part_vllm(model: str, results: dict) -> None:
     if not VLLM_PY.is_file():
         print(f"no vLLM environment at {VLLM_PY}; run {PEERS / 'run-peers'} once to make it", flush=True)
-        return {}
+        return
+    out = results.setdefault("vllm", {})
     # as run-peers sets it; one model step of the bf16 build can take minutes on a CPU without bf16
     # instructions, so the step timeout is raised from its default of 300 s
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
                VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="7200")
-    out = {}
-    for w in ("mixed", "seed"):
+    for w in ("seed", "mixed"):
         before = load()
-        out[w] = run_json([str(VLLM_PY), str(PEERS / "bench_vllm.py"), model, w], env=env)
+        out[w] = run_json([str(VLLM_PY), str(PEERS / "bench_vllm.py"), model, w], LOGS / f"vllm-{w}.txt", env=env)
         out[w]["load_before"], out[w]["load_after"] = round(before, 2), round(load(), 2)
+        save(results)
         print(f"vllm {w}: {out[w]['seconds']} s", flush=True)
-    return out
 
 
 def _decode_ms(model, kv, batch: int, context: int, block_size: int, reps: int = REPS) -> float:
@@ -192,20 +202,21 @@ def main(argv=None) -> int:
     model = args.model or str(ensure_default_model())
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     parts = args.only or ["workloads", "profile", "scaling", "vllm", "render"]
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     for part in parts:
+        if part == "render":
+            continue
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        results.setdefault("measured", {})[part] = stamp
+        results["machine"] = machine()
         if part == "workloads":
-            results["workloads"] = part_workloads(args.model, not args.no_hf)
+            part_workloads(args.model, not args.no_hf, results)
         elif part == "vllm":
-            results["vllm"] = part_vllm(model) or results.get("vllm", {})
+            part_vllm(model, results)
         elif part == "profile":
             results["profile"] = part_profile(args.model)
         elif part == "scaling":
             results["scaling"] = part_scaling(args.model)
-        if part != "render":
-            results.setdefault("measured", {})[part] = stamp
-            results["machine"] = machine()
-            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+        save(results)
     from render_benchmarks import render
     render(results, ROOT / "docs" / "benchmarks.md", HERE / "decode_scaling.png")
     print(f"wrote {ROOT / 'docs' / 'benchmarks.md'}")
