@@ -155,20 +155,35 @@ class KVCacheManager:
             return 0
         size = self._block_size
         eligible = max(0, (len(token_ids) - 1) // size)
-        parent = None
-        for i in range(eligible):
-            block_id = self._pool.lookup(parent, token_ids[i * size:(i + 1) * size])
-            if block_id is None:
-                break
+        for block_id in self._cached_blocks(token_ids):
             self._pool.acquire(block_id)
             state.table.append(block_id)
-            parent = self._pool.block_hash(block_id)
         hits = len(state.table)
+        parent = self._pool.block_hash(state.table[-1]) if hits else None
         state.num_computed, state.num_hashed, state.last_hash = hits * size, hits, parent
         s = self._stats
         self._stats = PrefixCacheStats(s.queries + 1, s.hit_blocks + hits, s.miss_blocks + eligible - hits,
                                        s.hit_tokens + hits * size, s.miss_tokens + (eligible - hits) * size)
         return hits * size
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens ``match_prefix`` would find cached now; changes nothing."""
+        if not self._pool.enable_prefix_cache:
+            return 0
+        return len(self._cached_blocks(token_ids)) * self._block_size
+
+    def _cached_blocks(self, token_ids: Sequence[int]) -> list[int]:
+        """The published blocks holding the leading full blocks of ``token_ids`` (the last token's
+        block never counts), in order, up to the first block not cached."""
+        size = self._block_size
+        found, parent = [], None
+        for i in range(max(0, (len(token_ids) - 1) // size)):
+            block_id = self._pool.lookup(parent, token_ids[i * size:(i + 1) * size])
+            if block_id is None:
+                break
+            found.append(block_id)
+            parent = self._pool.block_hash(block_id)
+        return found
 
     def blocks_needed(self, request_id: int, num_tokens: int) -> int:
         """New blocks the request needs so its table covers ``num_tokens`` tokens."""

@@ -13,6 +13,9 @@ Policy (continuous batching with chunked prefill):
   request that is itself the newest preempts itself; a prefilling one skips the step, keeping
   its blocks). So the oldest running request always makes progress, and since every request
   alone fits in the cache, every request finishes while steps continue.
+* A waiting request whose prompt starts with full blocks that a row of this step is computing
+  waits for the next step, where it finds them in the prefix cache instead of computing them
+  again; it stops admission for the step, like a request that finds no room.
 * A waiting request that finds no room stops admission for the step (later arrivals must not
   overtake it), and so does a preemption (a request just preempted is not taken back in the same
   step); requests already prefilling still get their chunks.
@@ -45,6 +48,9 @@ class Scheduler:
             if req.status == WAITING:
                 if not admitting or num_running >= self.max_batch:
                     continue
+                if self._computes_shared_prefix(req, rows):
+                    admitting = False        # next step it finds those blocks cached
+                    continue
                 n = self._admit(req, budget)
                 if n == 0:
                     admitting = False        # no room: later arrivals must not overtake it
@@ -68,6 +74,27 @@ class Scheduler:
             rows.append((req, n))
             budget -= n
         return rows
+
+    def _computes_shared_prefix(self, req: Request, rows: list[tuple[Request, int]]) -> bool:
+        """Does a row of this step compute a full block that ``req``'s prompt starts with too?
+
+        Such a block is published when the step ends; admitting ``req`` in the same step would
+        compute it a second time instead of reusing it.
+        """
+        if not rows or not self.manager.enable_prefix_cache:
+            return False
+        size = self.manager.block_size
+        tokens = req.all_token_ids
+        cached = self.manager.cached_prefix_tokens(tokens)
+        shareable = (len(tokens) - 1) // size * size   # the blocks match_prefix may take
+        for row, n in rows:
+            other = row.all_token_ids
+            end = min(shareable, (row.num_computed_tokens + n) // size * size)
+            if end <= cached or row.num_computed_tokens >= end:
+                continue
+            if tokens[cached:end] == other[cached:end] and tokens[:cached] == other[:cached]:
+                return True
+        return False
 
     def _admit(self, req: Request, budget: int) -> int:
         """Take a waiting request in: reuse its cached prefix, allocate its first chunk."""

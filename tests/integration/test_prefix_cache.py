@@ -129,22 +129,25 @@ def test_a_block_hash_is_published_only_after_the_step_that_fills_it(ckpt, monke
     base = prompts((22,), seed=7)[0]
     a = sess.add_request(base, greedy(2))
     b = sess.add_request(base, greedy(2))
-    steps = [sess.step() for _ in range(3)]
+    steps = [sess.step() for _ in range(4)]
     # steps 0 and 1 compute a's positions 0..15 (the chunk budget is spent: b is not admitted);
-    # step 2 computes a's 16..21 and admits b with the 2 tokens left, after a's first 4 blocks
-    # were published; a's block 4 (positions 16..19) is being filled in that same step: b misses it
+    # step 2 computes a's 16..21, filling block 4 (positions 16..19), which b's prompt starts
+    # with too: b waits rather than compute it a second time. Step 3 admits b after every full
+    # block of a's prompt was published: b computes only its last two tokens.
     assert row_of(steps[2], a.id) == (list(range(16, 22)), 6)
-    assert row_of(steps[2], b.id) == ([16, 17], 2)
-    assert b.num_cached_tokens == 16
-    assert b.block_table[:4] == a.block_table[:4] and b.block_table[4] != a.block_table[4]
+    assert b.id not in steps[2].request_ids
+    assert row_of(steps[3], b.id) == ([20, 21], 2)
+    assert b.num_cached_tokens == 20
+    assert b.block_table[:5] == a.block_table[:5] and b.block_table[5] != a.block_table[5]
     s = sess.prefix_cache_stats
-    assert (s.queries, s.hit_blocks, s.miss_blocks) == (2, 4, 5 + 1)      # a missed all its 5 blocks
+    assert (s.queries, s.hit_blocks, s.miss_blocks) == (2, 5, 5)      # a missed all its 5 blocks
     for (plan, blocks), step in zip(seen, steps):
         for block in written_blocks(step, 4):
             assert blocks[block].block_hash is None, f"step {step.index} writes published block {block}"
             assert blocks[block].ref_count == 1
     after = sess.blocks
     assert [after[x].block_hash is not None for x in a.block_table] == [True] * 5 + [False]
+    assert after[b.block_table[5]].block_hash is None                  # b's own last block
     while not (a.is_done and b.is_done):
         sess.step()
     assert_no_leaks(sess)
@@ -236,3 +239,32 @@ def test_sess_blocks_is_a_frozen_snapshot_of_every_block(ckpt):
     assert all(e.ref_count == 0 and e.request_ids == () for e in after)
     assert repr(after) == repr(sess.blocks) and after._repr_html_() == sess.blocks._repr_html_()
     assert "<table" in after._repr_html_() and "cached" in repr(after)
+
+
+def test_identical_prompts_added_together_compute_their_shared_blocks_once(ckpt):
+    on = open_session(ckpt, block_size=4, chunk_size=64)
+    off = open_session(ckpt, block_size=4, chunk_size=64, prefix_cache=False)
+    base = prompts((18,), seed=9)[0]
+    outs = {}
+    for sess in (on, off):
+        reqs = [sess.add_request(base, greedy(3)) for _ in range(3)]
+        first = sess.step()
+        outs[sess is on] = (first, reqs)
+        while not all(r.is_done for r in reqs):
+            sess.step()
+    (first_on, reqs_on), (first_off, reqs_off) = outs[True], outs[False]
+    # with the cache: one row computes the whole prompt, the others wait a step and then compute
+    # only their last block's two tokens; without it all three compute everything at once
+    assert first_on.request_ids == [reqs_on[0].id] and first_on.query_lens.tolist() == [18]
+    assert first_off.query_lens.tolist() == [18, 18, 18]
+    assert [r.num_cached_tokens for r in reqs_on] == [0, 16, 16]
+    assert [r.output_token_ids for r in reqs_on] == [r.output_token_ids for r in reqs_off]
+    assert_no_leaks(on)
+
+
+def test_a_prompt_sharing_nothing_is_admitted_beside_one_being_computed(ckpt):
+    sess = open_session(ckpt, block_size=4, chunk_size=64)
+    a = sess.add_request(prompts((18,), seed=10)[0], greedy(2))
+    b = sess.add_request(prompts((18,), seed=11)[0], greedy(2))
+    step = sess.step()
+    assert step.request_ids == [a.id, b.id] and step.query_lens.tolist() == [18, 18]
