@@ -7,10 +7,11 @@
 //   few rows   (M < panel_rows)   "dots": NR = 3 weight rows x MR <= 4 x rows, dot products
 //                                 along k (8 lanes), one horizontal sum per output. Streams the
 //                                 weights once: the decode and LM-head case, memory bound.
-//   many rows  (M >= panel_rows)  "panels": 16 weight rows x KC columns are transposed into an
-//                                 fp32 block [KC][16] (in L1), then tile16 broadcasts each x value
-//                                 against 16 outputs, 6 x rows at a time: compute bound, ~90% of
-//                                 the FMA peak of one core on large M.
+//   many rows  (M >= panel_rows)  "panels": x is packed once into groups of 6 rows with the 6
+//                                 values of one k adjacent; 16 weight rows x KC columns are
+//                                 transposed into an fp32 block [KC][16] (in L1), then group16
+//                                 broadcasts each x value against 16 outputs, 6 x rows at a time:
+//                                 compute bound.
 #include "vec.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -95,9 +96,66 @@ void linear_dots(const float* x, int64_t M, int64_t K, const W* w, int64_t n_beg
   });
 }
 
-// Outputs [0, 16 * panels) by transposed 16-row blocks; K must be a multiple of 8.
+// y[i][0..16) (+)= sum_k a[k][i] * b[k][0..16) for the MR rows of one packed group: a is
+// [kc][MR] (the group's x values of one k, adjacent), b is a transposed 16-column block [kc][16].
+// Kept out of line so that its twelve accumulators get the registers to themselves.
+#define QN_ACC(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
+#define QN_FMA(i)                                                                            \
+  if constexpr (MR > i) {                                                                      \
+    const __m256 t = _mm256_broadcast_ss(a + k * MR + i);                                      \
+    c##i##0 = _mm256_fmadd_ps(t, b0, c##i##0);                                                 \
+    c##i##1 = _mm256_fmadd_ps(t, b1, c##i##1);                                                 \
+  }
+#define QN_OUT(i)                                                                            \
+  if constexpr (MR > i) {                                                                      \
+    float* yi = y + i * ldy;                                                                   \
+    if (accumulate) {                                                                          \
+      c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(yi));                                   \
+      c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(yi + 8));                               \
+    }                                                                                          \
+    _mm256_storeu_ps(yi, c##i##0);                                                             \
+    _mm256_storeu_ps(yi + 8, c##i##1);                                                         \
+  }
+template <int MR>
+__attribute__((noinline)) void group16(const float* a, const float* b, int64_t kc, float* y, int64_t ldy,
+                                       bool accumulate) {
+  QN_ACC(0) QN_ACC(1) QN_ACC(2) QN_ACC(3) QN_ACC(4) QN_ACC(5)
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * 16), b1 = _mm256_loadu_ps(b + k * 16 + 8);
+    QN_FMA(0) QN_FMA(1) QN_FMA(2) QN_FMA(3) QN_FMA(4) QN_FMA(5)
+  }
+  QN_OUT(0) QN_OUT(1) QN_OUT(2) QN_OUT(3) QN_OUT(4) QN_OUT(5)
+}
+#undef QN_ACC
+#undef QN_FMA
+#undef QN_OUT
+
+using GroupFn = void (*)(const float*, const float*, int64_t, float*, int64_t, bool);
+constexpr GroupFn GROUP16[7] = {nullptr, group16<1>, group16<2>, group16<3>, group16<4>, group16<5>, group16<6>};
+constexpr int64_t GROUP = 6;           // x rows per packed group
+
+// x [M, K] -> xp: for each KC block of columns, the groups of GROUP rows one after another, each
+// [kc][rows of the group]. Block kb starts at xp + k0 * M; its group at row m0 at + m0 * kc.
+inline void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
+  const int64_t blocks = (K + KC - 1) / KC, groups = (M + GROUP - 1) / GROUP;
+  at::parallel_for(0, blocks * groups, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t k0 = (i / groups) * KC, m0 = (i % groups) * GROUP;
+      const int64_t kc = std::min(KC, K - k0), mr = std::min(GROUP, M - m0);
+      float* dst = xp + k0 * M + m0 * kc;
+      for (int64_t r = 0; r < mr; ++r) {
+        const float* src = x + (m0 + r) * K + k0;
+        for (int64_t k = 0; k < kc; ++k) dst[k * mr + r] = src[k];
+      }
+    }
+  });
+}
+
+// Outputs [0, 16 * panels) by transposed 16-row blocks of w against packed x; K % 8 == 0.
 template <typename W>
 void linear_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t panels, float* y, int64_t ldy) {
+  std::vector<float> xp(M * K);
+  pack_x(x, M, K, xp.data());
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> buf(KC * 16);
     const W* rows[16];
@@ -106,7 +164,10 @@ void linear_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t pan
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         pack16(rows, k0, kc, buf.data(), KC);
-        rows16(x + k0, K, M, buf.data(), 16, kc, y + p * 16, ldy, k0 > 0);
+        for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
+          const int64_t mr = std::min(GROUP, M - m0);
+          GROUP16[mr](xp.data() + k0 * M + m0 * kc, buf.data(), kc, y + m0 * ldy + p * 16, ldy, k0 > 0);
+        }
       }
     }
   });
