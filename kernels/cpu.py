@@ -17,6 +17,10 @@ but does all arithmetic in fp32:
     rms_norm,        C++ (csrc/norm.cpp): one pass each instead of a   same roundings; the mean
       add_rms_norm,    dozen small torch ops per call                   square's summation order
       rope                                                              (norms only) differs
+    qk_norm_rope     C++ (csrc/norm.cpp): both head norms and RoPE    bit-identical to rms_norm
+                       in one pass over the qkv output's views          then rope of this set
+    silu_mul         C++ (csrc/activation.cpp): silu(gate) * up       silu's exp: ~1e-7 relative
+                       straight from the gate/up output                 in fp32
 
 float32 models use torch's float32 matrix products for ``linear`` (already fast) and the C++
 attention. Tolerances against the reference (tests/kernels/test_cpu.py): float32 atol = rtol
@@ -43,8 +47,8 @@ from .metadata import AttentionMetadata
 
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("module.cpp", "linear.cpp", "attention.cpp", "norm.cpp")
-HEADERS = ("vec.h",)
+SOURCES = ("module.cpp", "linear.cpp", "attention.cpp", "norm.cpp", "activation.cpp")
+HEADERS = ("vec.h", "elementwise.h")
 # -fopenmp: at::parallel_for is a header template; without it the kernels would run on one thread
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 # From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).
@@ -109,10 +113,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
-    """Can the C++ elementwise kernels take these (cpu, one dtype, bf16 or fp32)?"""
-    first = tensors[0]
-    return (first.device.type == "cpu" and first.dtype in HALF_OR_FLOAT
-            and all(t.dtype == first.dtype and t.device == first.device for t in tensors))
+    """Can the C++ elementwise kernels take these (cpu, one dtype, bf16 or fp32)? Called for every
+    kernel call, so it reads only cheap attributes (``device`` builds a new object each time)."""
+    dtype = tensors[0].dtype
+    return dtype in HALF_OR_FLOAT and all(t.is_cpu and t.dtype == dtype for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -136,3 +140,25 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if not _fused(q, k) or q.dim() != 3 or q.shape[0] == 0 or cos.device != q.device:
         return reference.rope(q, k, cos, sin)
     return tuple(ops().rope(q, k, cos, sin))
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin)`` in one pass.
+
+    q [T, H, D], k [T, KV, D] (views into the fused qkv output are read in place), weights [D],
+    cos/sin [T, D] -> new contiguous (q, k). Bit-identical to this set's ``rms_norm`` then ``rope``.
+    """
+    if (not _fused(q, k, q_weight, k_weight) or q.dim() != 3 or k.dim() != 3 or q.shape[0] == 0
+            or cos.device != q.device):
+        return rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin)
+    return tuple(ops().qk_norm_rope(q, k, q_weight, k_weight, float(eps), cos, sin))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2 * I] -> ``F.silu(gate) * up`` [..., I], gate and up the two halves, in one pass
+    (silu rounded to the dtype before the product, as the two torch ops round)."""
+    if not _fused(gate_up) or gate_up.numel() == 0:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return ops().silu_mul(gate_up)

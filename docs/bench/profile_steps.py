@@ -6,7 +6,8 @@ synchronous, so the time of a call is the time of its work):
 
     linear    the q/k/v, o, gate/up and down projections     lm_head   the logits rows
     attention paged_attention                                write_kv  the K/V scatter
-    norms     rms_norm, add_rms_norm, rope                   other     the rest of the forward
+    norms     rms_norm, add_rms_norm, rope, qk_norm_rope     other     the rest of the forward
+                                                             (silu_mul included)
     engine    the step outside the forward: scheduling, slot checks, buffers, sampling, bookkeeping
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 PARTS = ("linear", "lm_head", "attention", "write_kv", "norms", "other", "engine")
 KERNEL_PARTS = {"write_kv": "write_kv", "paged_attention": "attention", "rms_norm": "norms",
                 "add_rms_norm": "norms", "rope": "norms"}
+# Functions a set may lack (the model then makes separate calls): timed only when the set has them.
+OPTIONAL_PARTS = {"qk_norm_rope": "norms", "silu_mul": "other"}
 
 
 class TimedKernels:
@@ -26,6 +29,9 @@ class TimedKernels:
         self.seconds: collections.Counter = collections.Counter()
         for name, part in KERNEL_PARTS.items():
             setattr(self, name, self._timed(part, getattr(inner, name)))
+        for name, part in OPTIONAL_PARTS.items():
+            if hasattr(inner, name):
+                setattr(self, name, self._timed(part, getattr(inner, name)))
         inner_linear = getattr(inner, "linear", F.linear)
 
         def linear(x, weight):

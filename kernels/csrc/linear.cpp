@@ -87,7 +87,13 @@ void linear_dots(const float* x, int64_t M, int64_t K, const W* w, int64_t n_beg
       const int64_t n = n_begin + g * NR;
       const int nr = static_cast<int>(std::min<int64_t>(NR, N - n));
       if (widen) {
-        for (int64_t i = 0; i < nr * K; i += 8) _mm256_storeu_ps(wide.data() + i, load8(w + n * K + i));
+        // widen this group while the next one is fetched from memory, so that the dot products
+        // below never wait on it
+        const W* next = w + (n + NR) * K;
+        for (int64_t i = 0; i < nr * K; i += 8) {
+          if (i % 32 == 0 && g + 1 < g1) _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+          _mm256_storeu_ps(wide.data() + i, load8(w + n * K + i));
+        }
         dot_rows_n(nr, x, M, K, static_cast<const float*>(wide.data()), y + n, N);
       } else {
         dot_rows_n(nr, x, M, K, w + n * K, y + n, N);
@@ -163,7 +169,9 @@ void linear_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t pan
       for (int r = 0; r < 16; ++r) rows[r] = w + (p * 16 + r) * K;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        pack16(rows, k0, kc, buf.data(), KC);
+        // prefetch the next block of these rows, or in the last block the next panel's first
+        const int64_t ahead = k0 + KC < K ? KC : 16 * K - k0;
+        pack16(rows, k0, kc, buf.data(), p + 1 < p1 || k0 + KC < K ? ahead : 0);
         for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
           const int64_t mr = std::min(GROUP, M - m0);
           GROUP16[mr](xp.data() + k0 * M + m0 * kc, buf.data(), kc, y + m0 * ldy + p * 16, ldy, k0 > 0);

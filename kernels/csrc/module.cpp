@@ -2,6 +2,7 @@
 // the Python bindings. The kernels themselves (linear.cpp, attention.cpp) see raw pointers.
 #include <torch/extension.h>
 #include "vec.h"
+#include "elementwise.h"
 #include <cstring>
 
 namespace qwen_npu_cpu {
@@ -104,6 +105,50 @@ std::tuple<torch::Tensor, torch::Tensor> rope(torch::Tensor q, torch::Tensor k, 
   return {qo, ko};
 }
 
+// rope(rms_norm(q, q_weight), rms_norm(k, k_weight)) in one pass. q and k may be strided views of
+// the fused qkv projection (any token and head strides, unit stride within a head).
+std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch::Tensor q_weight,
+                                                      torch::Tensor k_weight, double eps, torch::Tensor cos,
+                                                      torch::Tensor sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
+              "cpu qk_norm_rope: q [T, H, D] and k [T, KV, D] with an even D expected, got ", q.sizes(), " and ",
+              k.sizes());
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && q_weight.scalar_type() == q.scalar_type() &&
+              k_weight.scalar_type() == q.scalar_type() && q_weight.numel() == D && k_weight.numel() == D,
+              "cpu qk_norm_rope: weights [D] and k of q's dtype expected");
+  auto c = cos.to(at::kFloat).contiguous();
+  auto s = sin.to(at::kFloat).contiguous();
+  TORCH_CHECK(c.dim() == 2 && c.size(0) == T && c.size(1) == D && s.sizes() == c.sizes(),
+              "cpu qk_norm_rope: cos/sin [T, D] expected, got ", cos.sizes(), " and ", sin.sizes());
+  auto qc = q.stride(2) == 1 ? q : q.contiguous();
+  auto kc = k.stride(2) == 1 ? k : k.contiguous();
+  auto qw = q_weight.contiguous();
+  auto kw = k_weight.contiguous();
+  auto qo = torch::empty({T, q.size(1), D}, q.options());
+  auto ko = torch::empty({T, k.size(1), D}, k.options());
+  QN_DISPATCH(qc, X, qk_norm_rope_kernel<X>(qc.data_ptr<X>(), qc.stride(0), qc.stride(1), kc.data_ptr<X>(),
+                                            kc.stride(0), kc.stride(1), qw.data_ptr<X>(), kw.data_ptr<X>(),
+                                            c.data_ptr<float>(), s.data_ptr<float>(), T, qc.size(1), kc.size(1), D,
+                                            static_cast<float>(eps), qo.data_ptr<X>(), ko.data_ptr<X>()))
+  return {qo, ko};
+}
+
+// gate_up [..., 2 * I] -> silu(gate) * up [..., I]; rows may be strided (unit stride within one).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+              "cpu silu_mul: gate_up [..., 2 * I] with an even last dimension expected, got ", gate_up.sizes());
+  const int64_t n = gate_up.size(-1) / 2;
+  auto x = gate_up.dim() == 2 && gate_up.stride(1) == 1 ? gate_up : gate_up.reshape({-1, 2 * n}).contiguous();
+  auto act = torch::empty({x.size(0), n}, x.options());
+  if (x.size(0) > 0 && n > 0) {
+    QN_DISPATCH(x, X, silu_mul_kernel<X>(x.data_ptr<X>(), x.stride(0), x.size(0), n, act.data_ptr<X>()))
+  }
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = n;
+  return act.view(sizes);
+}
+
 // Copy token t's K/V [KV, D] into slot slot_mapping[t] of the caches; negative slots are skipped.
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
               torch::Tensor slot_mapping) {
@@ -139,4 +184,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &qwen_npu_cpu::rms_norm, "RMSNorm over the last dimension");
   m.def("add_rms_norm", &qwen_npu_cpu::add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("rope", &qwen_npu_cpu::rope, "rotary embedding, rotate-halves style");
+  m.def("qk_norm_rope", &qwen_npu_cpu::qk_norm_rope, "rope(rms_norm(q), rms_norm(k)) in one pass");
+  m.def("silu_mul", &qwen_npu_cpu::silu_mul, "silu(gate) * up from the fused gate/up output");
 }

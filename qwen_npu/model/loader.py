@@ -8,6 +8,9 @@ Layout accepted:
     path/model.safetensors.index.json      {"weight_map": {tensor name: shard file}} + shards
 
 Nothing is ever unpickled: ``pytorch_model.bin`` checkpoints are refused.
+
+On the CPU the tensors are views of one huge-page arena (``arena.py``), filled tensor by tensor
+straight from the files, with the q/k/v and gate/up projections of each layer back to back.
 """
 from __future__ import annotations
 
@@ -19,11 +22,15 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, InvalidRequestError
+from .arena import WeightArena, plan_layout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Projections the model fuses into one matrix: stored back to back in the arena, in this order.
+FUSED_GROUPS = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -74,7 +81,8 @@ def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dt
 
 
 def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str | None = None,
-                    device: str | torch.device = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+                    device: str | torch.device = "cpu", arena: bool = True
+                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Qwen3 checkpoint folder: its ModelConfig and its tensors by Hugging Face name.
 
     Contract:
@@ -83,7 +91,11 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str | None = None,
         the files are not read;
       - ``lm_head.weight`` comes from the files when present (as transformers does, even for a tied
         config); otherwise, with ``tie_word_embeddings``, it *is* the embedding tensor (same object);
-      - the returned ModelConfig is the one read from config.json (``torch_dtype`` unchanged).
+      - the returned ModelConfig is the one read from config.json (``torch_dtype`` unchanged);
+      - on the CPU with ``arena`` (the default), every tensor read from the files is a view of one
+        ``WeightArena`` (from ``arena.MIN_ARENA_BYTES`` of weights, where Linux lets huge pages be
+        asked for; ordinary tensors otherwise), and the members of each ``FUSED_GROUPS`` group of
+        a layer lie back to back in it; peak memory is the arena plus one tensor being read.
     Raises CheckpointError naming the file (and the tensor) for a missing config, a pickle-only
     checkpoint, a corrupt or truncated safetensors file, an index naming a missing shard, a missing
     tensor or a tensor of the wrong shape.
@@ -110,14 +122,43 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str | None = None,
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(sources[name], []).append(name)
+    into = _arena_views(wanted, shapes, target) if arena and torch.device(device).type == "cpu" else None
     tensors: dict[str, torch.Tensor] = {}
     for file, names in by_file.items():
-        tensors.update(_read_file(file, names, shapes, listing))
+        tensors.update(_read_file(file, names, shapes, listing, into))
 
     out = {name: tensors[name].to(device=device, dtype=target) for name in shapes if name in tensors}
     if "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return cfg, out
+
+
+def arena_groups(names: list[str]) -> list[list[str]]:
+    """Split ``names`` (in order) into groups to be packed back to back: each run of one layer's
+    ``FUSED_GROUPS`` members in their order is one group; every other tensor is alone."""
+    groups: list[list[str]] = []
+    for name in names:
+        if groups and _follows(groups[-1][-1], name):
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return groups
+
+
+def _follows(prev: str, name: str) -> bool:
+    for group in FUSED_GROUPS:
+        for before, after in zip(group, group[1:]):
+            if prev.endswith("." + before) and name == prev[:-len(before)] + after:
+                return True
+    return False
+
+
+def _arena_views(names: list[str], shapes: dict[str, tuple[int, ...]],
+                 dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """Views of a fresh huge-page arena for ``names`` (None where no arena can be had)."""
+    layout = plan_layout([[(n, shapes[n]) for n in g] for g in arena_groups(names)], dtype)
+    arena = WeightArena.allocate(layout.nbytes)
+    return None if arena is None else arena.views(layout, dtype)
 
 
 def _tensor_sources(root: Path) -> dict[str, Path]:
@@ -158,9 +199,14 @@ def _open_keys(file: Path) -> list[str]:
         raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt?): {e}") from None
 
 
-def _read_file(file: Path, names: list[str], shapes: dict[str, tuple[int, ...]],
-               listing: Path) -> dict[str, torch.Tensor]:
-    """Read ``names`` from one safetensors file, checking presence and shape before reading data."""
+def _read_file(file: Path, names: list[str], shapes: dict[str, tuple[int, ...]], listing: Path,
+               into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Read ``names`` from one safetensors file, checking presence and shape before reading data.
+
+    With ``into``, every name is checked first; then each tensor is copied (converting its dtype)
+    into ``into[name]``, which is returned. Each copy reads through a handle of its own: the
+    file's mapping, and the pages of it that the copy made resident, go with the handle, so
+    besides ``into`` at most one tensor's worth of the file is resident at a time."""
     out: dict[str, torch.Tensor] = {}
     name = "<header>"
     try:
@@ -173,7 +219,11 @@ def _read_file(file: Path, names: list[str], shapes: dict[str, tuple[int, ...]],
                 if found != shapes[name]:
                     raise CheckpointError(f"{file}: tensor {name!r} has shape {list(found)}, expected "
                                           f"{list(shapes[name])} (from config.json)")
-                out[name] = fh.get_tensor(name)
+                if into is None:
+                    out[name] = fh.get_tensor(name)
+        for name in names if into is not None else ():
+            with safe_open(str(file), framework="pt", device="cpu") as fh:
+                out[name] = into[name].copy_(fh.get_tensor(name))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt?) "
                               f"while reading tensor {name!r}: {e}") from None

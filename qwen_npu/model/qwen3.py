@@ -10,8 +10,11 @@ cache tensors are handed in per call. Per layer::
     ┌──────────────────────────────────────────────────────────────────────────────────────────────┘
     └─ rms_norm ─ gate_up_proj ─ silu(gate) * up ─ down_proj ─ + (residual)
 
-q/k/v and gate/up projections are fused into one matrix each at load time. The LM head runs
-only for the token rows that need a next token.
+q/k/v and gate/up projections are fused into one matrix each at load time (a view when the
+loader placed them back to back, as it does on the CPU; a copy otherwise). The LM head runs
+only for the token rows that need a next token. A kernel set may bring fused ``qk_norm_rope``
+(q_norm, k_norm and RoPE in one call; used only when no hook is set, so hooks see the pre-RoPE
+tensors) and ``silu_mul``; without them the model makes the separate calls.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels.metadata import AttentionMetadata
+from .arena import concat_rows
 
 # A hook sees (name, tensor) at a named point of the forward and returns a tensor to use
 # instead, or None to keep it. The points, in the order a layer reaches them (see
@@ -89,12 +93,12 @@ class Qwen3Model:
             p = f"model.layers.{i}."
             self.layers.append(LayerWeights(
                 input_norm=weights[p + "input_layernorm.weight"],
-                qkv=torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                qkv=concat_rows([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
                 q_norm=weights[p + "self_attn.q_norm.weight"],
                 k_norm=weights[p + "self_attn.k_norm.weight"],
                 o=weights[p + "self_attn.o_proj.weight"],
                 post_norm=weights[p + "post_attention_layernorm.weight"],
-                gate_up=torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
+                gate_up=concat_rows([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
                 down=weights[p + "mlp.down_proj.weight"],
             ))
         self.scale = c.head_dim ** -0.5
@@ -122,6 +126,8 @@ class Qwen3Model:
         """
         k_ = self.kernels
         linear = getattr(k_, "linear", F.linear)     # a kernel set may bring its own (F.linear's contract)
+        qk_norm_rope = getattr(k_, "qk_norm_rope", None) if hook is None else None   # hooks see pre-RoPE q/k
+        silu_mul = getattr(k_, "silu_mul", _silu_mul)
         c = self.config
         t = input_ids.shape[0]
         eps = c.rms_norm_eps
@@ -139,13 +145,17 @@ class Qwen3Model:
                 h = _hooked(hook, f"layers.{i}.attn.in", h)
             qkv = linear(h, layer.qkv)                                         # [tokens, q + 2 kv]
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = k_.rms_norm(q.reshape(t, c.num_attention_heads, c.head_dim), layer.q_norm, eps)
-            k = k_.rms_norm(k.reshape(t, c.num_key_value_heads, c.head_dim), layer.k_norm, eps)
+            q = q.reshape(t, c.num_attention_heads, c.head_dim)               # [tokens, heads, hd]
+            k = k.reshape(t, c.num_key_value_heads, c.head_dim)               # [tokens, kv_heads, hd]
             v = v.reshape(t, c.num_key_value_heads, c.head_dim)               # [tokens, kv_heads, hd]
-            if hook is not None:
-                q = _hooked(hook, f"layers.{i}.attn.q_pre_rope", q)
-                k = _hooked(hook, f"layers.{i}.attn.k_pre_rope", k)
-            q, k = k_.rope(q, k, cos, sin)                                   # [tokens, heads, hd]
+            if qk_norm_rope is not None:
+                q, k = qk_norm_rope(q, k, layer.q_norm, layer.k_norm, eps, cos, sin)
+            else:
+                q, k = k_.rms_norm(q, layer.q_norm, eps), k_.rms_norm(k, layer.k_norm, eps)
+                if hook is not None:
+                    q = _hooked(hook, f"layers.{i}.attn.q_pre_rope", q)
+                    k = _hooked(hook, f"layers.{i}.attn.k_pre_rope", k)
+                q, k = k_.rope(q, k, cos, sin)                               # [tokens, heads, hd]
             if hook is not None:
                 q = _hooked(hook, f"layers.{i}.attn.q", q)
                 k = _hooked(hook, f"layers.{i}.attn.k", k)
@@ -161,8 +171,7 @@ class Qwen3Model:
             h, residual = k_.add_rms_norm(x, residual, layer.post_norm, eps)
             if hook is not None:
                 h = _hooked(hook, f"layers.{i}.mlp.in", h)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)              # [tokens, intermediate] x2
-            act = F.silu(gate) * up                                          # [tokens, intermediate]
+            act = silu_mul(linear(h, layer.gate_up))                          # [tokens, intermediate]
             if hook is not None:
                 act = _hooked(hook, f"layers.{i}.mlp.act", act)
             x = linear(act, layer.down)                                        # [tokens, hidden]
@@ -190,6 +199,12 @@ class Qwen3Model:
         return logits
 
     __call__ = forward
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[tokens, 2 * intermediate] -> silu(gate) * up [tokens, intermediate], for kernel sets without one."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _hooked(hook: Hook, name: str, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,49 @@
+// The elementwise kernels (norm.cpp, activation.cpp): rounding 8 fp32 lanes to the storage dtype
+// exactly as torch does, and the declarations of the fused per-layer kernels.
+#pragma once
+#include "vec.h"
+
+namespace qwen_npu_cpu {
+namespace elementwise {
+
+// fp32 -> bf16 bits (in the low 16 bits of each lane), round to nearest even, NaN -> 0x7FC0: the
+// conversion of c10::BFloat16(float), 8 lanes at a time.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+// v rounded to T's precision, kept in fp32 (what to_f(static_cast<T>(v)) gives, per lane).
+template <typename T> inline __m256 round8(__m256 v);
+template <> inline __m256 round8<float>(__m256 v) { return v; }
+template <> inline __m256 round8<c10::BFloat16>(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+
+// p[0..8) = static_cast<T>(v) per lane.
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i b = bf16_bits8(v);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+}  // namespace elementwise
+
+// q [T, H, D] and k [T, KV, D] (token and head strides given, unit stride within a head):
+// qo = rope(rms_norm(q, q_weight)), ko = rope(rms_norm(k, k_weight)) into contiguous outputs,
+// with the roundings of the two kernels run one after the other (bit-identical to them).
+template <typename T>
+void qk_norm_rope_kernel(const T* q, int64_t q_tok, int64_t q_head, const T* k, int64_t k_tok, int64_t k_head,
+                         const T* q_weight, const T* k_weight, const float* cos, const float* sin, int64_t tokens,
+                         int64_t heads, int64_t kv_heads, int64_t d, float eps, T* qo, T* ko);
+
+// gate_up [rows, 2 * n] (row stride given) -> act [rows, n] = silu(gate) * up, each op rounded to T.
+template <typename T>
+void silu_mul_kernel(const T* gate_up, int64_t row_stride, int64_t rows, int64_t n, T* act);
+
+}  // namespace qwen_npu_cpu

@@ -1,0 +1,149 @@
+"""The cpu set's optional fused kernels (qk_norm_rope, silu_mul) against the reference kernels.
+
+Tolerances as for the rest of the cpu set (tests/kernels/test_cpu.py): float32 atol = rtol =
+1e-5; bfloat16 atol = rtol = 2e-2. ``qk_norm_rope`` must also be bit-identical to the set's own
+``rms_norm`` then ``rope``. Skipped where the set cannot run (no AVX2 or no C++ compiler).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_reference import TOL, bits
+
+from qwen_npu import SamplingParams, Session
+from qwen_npu.kernels import cpu
+from qwen_npu.kernels import reference as ref
+from qwen_npu.testing import make_tiny_qwen3
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"cpu kernels: {cpu.availability()[1]}")
+DTYPES = list(TOL)
+
+
+def rope_tables(tokens: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [tokens, head_dim] fp32 at scattered positions, as the model gathers them."""
+    pos = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(seed)).double()
+    freqs = pos[:, None] * (1.0 / 1e6 ** (torch.arange(0, head_dim, 2).double() / head_dim))[None]
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().float(), emb.sin().float()
+
+
+# --- qk_norm_rope -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim",
+                         [(1, 16, 8, 128), (5, 4, 2, 16), (3, 5, 1, 24), (7, 3, 3, 10), (2, 2, 1, 2)],
+                         ids=["decode-0.6b", "vector-half", "odd-half-12", "half-5", "tiny"])
+def test_qk_norm_rope_matches_norm_then_rope(tokens, heads, kv_heads, head_dim, dtype):
+    """On views of a fused qkv output (token stride > heads * head_dim), as the model passes them:
+    within tolerance of the reference kernels, bit-identical to this set's two-call path."""
+    gen = torch.Generator().manual_seed(tokens * 31 + head_dim)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = (torch.randn(tokens, q_size + 2 * kv_size, generator=gen) * 3).to(dtype)
+    q_in, k_in, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q_in, k_in = q_in.reshape(tokens, heads, head_dim), k_in.reshape(tokens, kv_heads, head_dim)
+    assert tokens == 1 or not q_in.is_contiguous()                    # really a strided view
+    qw, kw = ((torch.rand(head_dim, generator=gen) + 0.5).to(dtype) for _ in range(2))
+    cos, sin = rope_tables(tokens, head_dim, seed=head_dim)
+    before = qkv.clone()
+    q, k = cpu.qk_norm_rope(q_in, k_in, qw, kw, 1e-6, cos, sin)
+    assert q.shape == (tokens, heads, head_dim) and k.shape == (tokens, kv_heads, head_dim)
+    assert q.dtype == k.dtype == dtype and q.is_contiguous() and k.is_contiguous()
+    assert torch.equal(bits(qkv), bits(before))                       # inputs untouched
+    want_q, want_k = ref.rope(ref.rms_norm(q_in, qw, 1e-6), ref.rms_norm(k_in, kw, 1e-6), cos, sin)
+    torch.testing.assert_close(q, want_q, **TOL[dtype])
+    torch.testing.assert_close(k, want_k, **TOL[dtype])
+    two_q, two_k = cpu.rope(cpu.rms_norm(q_in, qw, 1e-6), cpu.rms_norm(k_in, kw, 1e-6), cos, sin)
+    assert torch.equal(bits(q), bits(two_q)) and torch.equal(bits(k), bits(two_k))
+
+
+def test_qk_norm_rope_falls_back_for_other_dtypes_and_refuses_bad_shapes():
+    q, k = torch.randn(2, 2, 8, dtype=torch.float64), torch.randn(2, 1, 8, dtype=torch.float64)
+    w = torch.ones(8, dtype=torch.float64)
+    cos, sin = rope_tables(2, 8, seed=1)
+    got = cpu.qk_norm_rope(q, k, w, w, 1e-6, cos, sin)
+    want = ref.rope(ref.rms_norm(q, w, 1e-6), ref.rms_norm(k, w, 1e-6), cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        cpu.qk_norm_rope(q.float(), k.float(), w.float(), w.float(), 1e-6, cos[:1], sin[:1])
+
+
+# --- silu_mul -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 3072), (16, 3072), (3, 13), (2, 3, 40), (600, 24), (1, 1)],
+                         ids=["decode-1", "decode-16", "odd", "leading-dims", "parallel", "one"])
+def test_silu_mul_matches_the_two_torch_ops(shape, dtype):
+    gen = torch.Generator().manual_seed(shape[-1])
+    gate_up = (torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 4).to(dtype)
+    act = cpu.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert act.shape == gate.shape and act.dtype == dtype
+    torch.testing.assert_close(act, F.silu(gate) * up, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_reads_strided_rows_and_extreme_values(dtype):
+    extremes = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 100.0, -100.0, 1e4, -1e4, 3.0, -3.0])
+    wide = torch.randn(4, 40, generator=torch.Generator().manual_seed(9))
+    wide[:, :12] = extremes
+    wide = wide.to(dtype)
+    gate_up = wide[:, :24]                                         # rows strided by 40
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = cpu.silu_mul(gate_up)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.isfinite(got).all()
+    nan = cpu.silu_mul(torch.tensor([[float("nan"), 2.0]], dtype=dtype))
+    assert torch.isnan(nan).all()
+
+
+def test_silu_mul_refuses_an_odd_width():
+    with pytest.raises(RuntimeError, match="even last dimension"):
+        cpu.silu_mul(torch.randn(2, 7))
+
+
+# --- in the model --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_ckpt(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("cpu_fused_bf16"), vocab_size=512, seed=5, hidden_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+                           dtype=torch.bfloat16)
+
+
+def test_the_model_fuses_without_hooks_and_keeps_hook_points_exact(bf16_ckpt, monkeypatch):
+    """Without a hook the forward calls qk_norm_rope and silu_mul once per layer; with one it takes
+    the separate calls, so a hook sees q and k before RoPE and its edits take effect."""
+    calls = {"qk_norm_rope": 0, "silu_mul": 0}
+    for name in calls:
+        def counted(*args, _fn=getattr(cpu, name), _name=name):
+            calls[_name] += 1
+            return _fn(*args)
+        monkeypatch.setattr(cpu, name, counted)
+    sess = Session.from_pretrained(bf16_ckpt, kernels="cpu", max_batch=2, chunk_size=16, max_model_len=64,
+                                   prefix_cache=False)
+    layers = sess.model_config.num_hidden_layers
+    prompt, params = list(range(5, 25)), SamplingParams(max_new_tokens=3, ignore_eos=True)
+    plain = sess.generate([prompt], params, progress=False)[0].token_ids
+    forwards = 2 + 2                                       # two prefill chunks (16 + 4), two decode steps
+    assert calls == {"qk_norm_rope": forwards * layers, "silu_mul": forwards * layers}
+
+    calls.update(qk_norm_rope=0, silu_mul=0)
+    names = ["layers.0.attn.q_pre_rope", "layers.0.attn.k_pre_rope", "layers.0.attn.q", "layers.0.attn.k"]
+    with sess.capture(names) as cap:
+        req = sess.add_request(prompt, params)
+        while not req.is_done:
+            sess.step()
+    assert calls == {"qk_norm_rope": 0, "silu_mul": forwards * layers}
+    assert list(req.output_token_ids) == list(plain)
+    cos, sin = (table[cap.positions(req.id)] for table in (sess.model.cos, sess.model.sin))
+    want_q, want_k = cpu.rope(cap.stack(names[0], req.id), cap.stack(names[1], req.id), cos, sin)
+    assert torch.equal(cap.stack(names[2], req.id), want_q) and torch.equal(cap.stack(names[3], req.id), want_k)
+
+    with sess.intervene("layers.0.attn.q_pre_rope", lambda x: x * 0), sess.capture(["layers.0.attn.q"]) as cap:
+        edited = sess.add_request(prompt, params)
+        while not edited.is_done:
+            sess.step()
+    assert calls["qk_norm_rope"] == 0
+    assert torch.count_nonzero(cap.stack("layers.0.attn.q", edited.id)) == 0    # RoPE of the edited q
