@@ -8,11 +8,14 @@ but does all arithmetic in fp32:
     linear           C++ (csrc/linear.cpp): bf16 weights widened in   fp32 accumulation instead
                        registers; few rows (decode, LM head) stream     of bf16 products
                        each weight row once, many rows (prefill) run
-                       a 6 x 16 register tile on transposed panels
-    paged_attention  C++ (csrc/attention.cpp): each token reads only  fp32 scores, softmax and
+                       a 6 x 16 register tile: x packed in 6-row
+                       groups, weights in transposed 16-row panels
+    paged_attention  C++ (csrc/attention*.cpp): each token reads only fp32 scores, softmax and
                        its own visible context through the block        weighted sum
                        table (no gather, no padding to the longest
-                       row); prefill tiles use a flash-style loop
+                       row); a decode token takes all its KV heads
+                       at once, so its K/V stream in memory order;
+                       prefill tiles use a flash-style loop
     write_kv         C++: one copy per token, negative slots skipped  identical
     rms_norm,        C++ (csrc/norm.cpp): one pass each instead of a   same roundings; the mean
       add_rms_norm,    dozen small torch ops per call                   square's summation order
@@ -47,8 +50,8 @@ from .metadata import AttentionMetadata
 
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("module.cpp", "linear.cpp", "attention.cpp", "norm.cpp", "activation.cpp")
-HEADERS = ("vec.h", "elementwise.h")
+SOURCES = ("module.cpp", "linear.cpp", "attention.cpp", "attention_decode.cpp", "norm.cpp", "activation.cpp")
+HEADERS = ("vec.h", "elementwise.h", "attention.h")
 # -fopenmp: at::parallel_for is a header template; without it the kernels would run on one thread
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 # From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).

@@ -1,0 +1,28 @@
+// Shared by the two halves of the cpu paged attention: the cache geometry, how a position's
+// K/V is found, and the decode entry point (attention_decode.cpp) that attention.cpp calls.
+#pragma once
+#include "vec.h"
+#include <vector>
+
+namespace qwen_npu_cpu {
+
+// Positions are read through ``pos``: the element offset of position p (KV head 0) in the
+// caches, worked out once per work item from the block table (one lookup per block instead of a
+// division per position read).
+struct Geometry {
+  int64_t H, KV, G, D, BS, MB;
+  int64_t pos_stride() const { return KV * D; }
+  int64_t block_stride() const { return BS * KV * D; }
+};
+
+template <typename S>
+inline const S* kv_row(const S* cache, const int64_t* pos, int64_t p, int64_t kvh, const Geometry& g) {
+  return cache + pos[p] + kvh * g.D;
+}
+
+// One decode token against its context (see attention_decode.cpp).
+template <typename S>
+void attend_token(const S* q, const S* kc, const S* vc, const int64_t* pos, int64_t n, int64_t kvh0, int64_t kvh1,
+                  float scale, const Geometry& g, S* out, std::vector<float>& work);
+
+}  // namespace qwen_npu_cpu
