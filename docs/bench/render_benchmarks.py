@@ -165,7 +165,17 @@ def render(res: dict, md: Path, png: Path) -> None:
         lines += [f"**Batch-1 decode against the memory floor.** Reading memory ran at {bw:.1f} GB/s here "
                   f"(one pass over 1 GiB, best of four), so a step that reads all {wb / 1e9:.2f} GB of weights "
                   f"cannot take less than {floor:.1f} ms; the batch-1 forward took {b1:.1f} ms "
-                  f"({b1 / floor:.2f}x the floor).", ""]
+                  f"({b1 / floor:.2f}x the floor)."]
+        probes = [ours.get(w, {}).get("decode_ms_b1") for w in ("mixed", "seed")]
+        probes = [v for v in probes if v]
+        if probes:
+            lines[-1] += (f" In the workload runs the whole batch-1 step (scheduling and sampling included) took "
+                          + " and ".join(f"{v:.1f}" for v in probes) + " ms, "
+                          + " and ".join(f"{v / floor:.2f}x" for v in probes) + " that floor.")
+        lines += ["", "This host is shared and its speed drifts: the same kernels ran 20-40% slower in some",
+                  "hours than in others (compare the probe above with the forward in the kernel-set table",
+                  "below, measured an hour later). Each part's time of measurement is given above; ratios",
+                  "are only taken between figures of one sitting.", ""]
     prof = res.get("profile", {})
     if prof:
         from profile_steps import PARTS
