@@ -102,39 +102,14 @@ void linear_dots(const float* x, int64_t M, int64_t K, const W* w, int64_t n_beg
   });
 }
 
-// y[i][0..16) (+)= sum_k a[k][i] * b[k][0..16) for the MR rows of one packed group: a is
-// [kc][MR] (the group's x values of one k, adjacent), b is a transposed 16-column block [kc][16].
-// Kept out of line so that its twelve accumulators get the registers to themselves.
-#define QN_ACC(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
-#define QN_FMA(i)                                                                            \
-  if constexpr (MR > i) {                                                                      \
-    const __m256 t = _mm256_broadcast_ss(a + k * MR + i);                                      \
-    c##i##0 = _mm256_fmadd_ps(t, b0, c##i##0);                                                 \
-    c##i##1 = _mm256_fmadd_ps(t, b1, c##i##1);                                                 \
-  }
-#define QN_OUT(i)                                                                            \
-  if constexpr (MR > i) {                                                                      \
-    float* yi = y + i * ldy;                                                                   \
-    if (accumulate) {                                                                          \
-      c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(yi));                                   \
-      c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(yi + 8));                               \
-    }                                                                                          \
-    _mm256_storeu_ps(yi, c##i##0);                                                             \
-    _mm256_storeu_ps(yi + 8, c##i##1);                                                         \
-  }
+// The MR rows of one packed group (a is [kc][MR]: the group's x values of one k adjacent)
+// against a transposed 16-column block b [kc][16]. Kept out of line so that its twelve
+// accumulators get the registers to themselves.
 template <int MR>
 __attribute__((noinline)) void group16(const float* a, const float* b, int64_t kc, float* y, int64_t ldy,
                                        bool accumulate) {
-  QN_ACC(0) QN_ACC(1) QN_ACC(2) QN_ACC(3) QN_ACC(4) QN_ACC(5)
-  for (int64_t k = 0; k < kc; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(b + k * 16), b1 = _mm256_loadu_ps(b + k * 16 + 8);
-    QN_FMA(0) QN_FMA(1) QN_FMA(2) QN_FMA(3) QN_FMA(4) QN_FMA(5)
-  }
-  QN_OUT(0) QN_OUT(1) QN_OUT(2) QN_OUT(3) QN_OUT(4) QN_OUT(5)
+  tile16<MR, MR>(a, 1, b, 16, kc, y, ldy, accumulate);
 }
-#undef QN_ACC
-#undef QN_FMA
-#undef QN_OUT
 
 using GroupFn = void (*)(const float*, const float*, int64_t, float*, int64_t, bool);
 constexpr GroupFn GROUP16[7] = {nullptr, group16<1>, group16<2>, group16<3>, group16<4>, group16<5>, group16<6>};

@@ -44,13 +44,14 @@ inline __m256 exp_neg(__m256 x) {
 }
 
 // ---- the register tile ------------------------------------------------------------------------
-// y[i][0..16) (+)= sum_k x[i][k] * b[k][0..16) for MR (<= 6) rows of x: each x value is
+// y[i][0..16) (+)= sum_k x[i][k] * b[k][0..16) for MR (<= 6) rows of x, x[i][k] at
+// x[i * ldx + k * SX] (SX = 1: row-major rows; SX = MR: a packed group): each x value is
 // broadcast against 16 columns of b. The accumulators are named variables, not an array, so
 // that they stay in registers; the rows a smaller tile does not use are compiled away.
 #define QN_ACC(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
 #define QN_FMA(i)                                                                          \
   if constexpr (MR > i) {                                                                    \
-    const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);                                   \
+    const __m256 a = _mm256_broadcast_ss(x + i * ldx + k * SX);                              \
     c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);                                               \
     c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                                               \
   }
@@ -64,7 +65,7 @@ inline __m256 exp_neg(__m256 x) {
     _mm256_storeu_ps(yi, c##i##0);                                                           \
     _mm256_storeu_ps(yi + 8, c##i##1);                                                       \
   }
-template <int MR>
+template <int MR, int SX = 1>
 inline void tile16(const float* x, int64_t ldx, const float* b, int64_t ldb, int64_t kc, float* y, int64_t ldy,
                    bool accumulate) {
   static_assert(MR >= 1 && MR <= 6, "tile shape");
