@@ -88,11 +88,8 @@ class Scheduler:
         cached = self.manager.cached_prefix_tokens(tokens)
         shareable = (len(tokens) - 1) // size * size   # the blocks match_prefix may take
         for row, n in rows:
-            other = row.all_token_ids
             end = min(shareable, (row.num_computed_tokens + n) // size * size)
-            if end <= cached or row.num_computed_tokens >= end:
-                continue
-            if tokens[cached:end] == other[cached:end] and tokens[:cached] == other[:cached]:
+            if end > max(cached, row.num_computed_tokens) and tokens[:end] == row.all_token_ids[:end]:
                 return True
         return False
 
