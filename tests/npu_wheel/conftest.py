@@ -13,10 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from meta_kit import MetaFunctions  # noqa: E402
-from schema_kit import atb_schemas, custom_schemas  # noqa: E402
-from wheel_kit import (ATB_HEADER, CUSTOM_SCHEMAS, META, Wheel, WheelUnavailable, fetch,  # noqa: E402
-                       pinned_versions)
+from meta_kit import MetaFunctions
+from schema_kit import atb_schemas, custom_schemas
+from wheel_kit import ATB_HEADER, CUSTOM_SCHEMAS, META, Wheel, WheelUnavailable, fetch, pinned_versions
 
 
 def in_ci() -> bool:

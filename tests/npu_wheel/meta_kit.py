@@ -96,7 +96,8 @@ class MetaFunctions:
                     node = copy.copy(node)
                     node.decorator_list = []          # the registering @impl(...) needs torch_npu
                 module = ast.Module(body=[node], type_ignores=[])
-                exec(compile(ast.fix_missing_locations(module), f"<wheel meta {name}>", "exec"), namespace)
+                code = compile(ast.fix_missing_locations(module), f"<wheel meta {name}>", "exec")
+                exec(code, namespace)  # noqa: S102 -- the wheel's own shape code, the point of the check
             for name in self._free_names(fname, namespace):
                 namespace[name] = _missing(name)
             self._compiled[op] = namespace[fname]
@@ -118,7 +119,8 @@ class MetaFunctions:
 
     def run(self, op: str, *args, **kwargs):
         """Outputs of the meta function for real (cpu) arguments: tensors go in as meta tensors,
-        outputs come back as empty cpu tensors of the inferred shape and dtype."""
+        outputs come back as empty tensors of the inferred shape and dtype on the device of the
+        first tensor argument."""
         def to_meta(v):
             if isinstance(v, torch.Tensor):
                 return torch.empty(v.shape, dtype=v.dtype, device="meta")
@@ -126,12 +128,13 @@ class MetaFunctions:
                 return type(v)(to_meta(x) for x in v)
             return v
 
+        device = next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), "cpu")
         out = self.function(op)(*(to_meta(a) for a in args), **{k: to_meta(v) for k, v in kwargs.items()})
 
-        def to_cpu(v):
+        def back(v):
             if isinstance(v, torch.Tensor):
-                return torch.empty(v.shape, dtype=v.dtype)
+                return torch.empty(v.shape, dtype=v.dtype, device=device)
             if isinstance(v, (list, tuple)):
-                return type(v)(to_cpu(x) for x in v)
+                return type(v)(back(x) for x in v)
             return v
-        return to_cpu(out)
+        return back(out)

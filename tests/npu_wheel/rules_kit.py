@@ -9,9 +9,11 @@ the kernel contract imply.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
+from schema_kit import BindError, bind
 
 HALF = (torch.float16, torch.bfloat16)
 MASK_SHAPES = {(2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048)}
@@ -58,6 +60,7 @@ def paged_attention(a, op="_npu_paged_attention"):
     need(a["num_heads"] == q.shape[1], op, "num_heads", f"must be query.shape[1] = {q.shape[1]}")
     need(a["num_kv_heads"] == kc.shape[2], op, "num_kv_heads", f"must be key_cache.shape[2] = {kc.shape[2]}")
     bt = _tensor(a, op, "block_table", 2, (torch.int32,))
+    need(bt.device == q.device, op, "block_table", "must be on the query's device")
     need(bt.shape[0] == q.shape[0], op, "block_table", "must have one row per query row")
     # atb .so: "Expected CPU tensor, please check whether the input seqlen tensor device is correct."
     cl = _tensor(a, op, "context_lens", 1, (torch.int32,))
@@ -77,11 +80,12 @@ def fused_infer_attention(a, op="npu_fused_infer_attention_score"):
     # docs: TND needs actual_seq_lengths, each value the sum of this and all earlier batches
     cum = a["actual_seq_lengths"]
     need(cum is not None and len(cum) > 0, op, "actual_seq_lengths", "is required for TND")
-    need(all(x >= 0 for x in cum) and all(b >= p for p, b in zip(cum, cum[1:])) and cum[-1] == tokens,
+    need(all(x >= 0 for x in cum) and all(b >= p for p, b in itertools.pairwise(cum)) and cum[-1] == tokens,
          op, "actual_seq_lengths", f"must be cumulative query lengths ending at T = {tokens}, got {list(cum)}")
     qlens = [b - p for p, b in zip([0, *cum], cum)]
     # docs (page attention): block_table int32 2-D, first dim B, second >= max blocks per sequence
     bt = _tensor(a, op, "block_table", 2, (torch.int32,))
+    need(bt.device == q.device, op, "block_table", "must be on the query's device")
     need(bt.shape[0] == len(cum), op, "block_table", f"must have B = {len(cum)} rows")
     kv = a["actual_seq_lengths_kv"]
     need(kv is not None and len(kv) == len(cum), op, "actual_seq_lengths_kv",
@@ -104,6 +108,7 @@ def fused_infer_attention(a, op="npu_fused_infer_attention_score"):
     # docs: sparse_mode 3 = rightDownCausal, with the optimised 2048x2048 mask
     need(a["sparse_mode"] == 3, op, "sparse_mode", "is expected to be 3 (rightDownCausal)")
     mask = _tensor(a, op, "atten_mask", dtypes=(torch.bool, torch.int8, torch.uint8))
+    need(mask.device == q.device, op, "atten_mask", "must be on the query's device")
     need(tuple(mask.shape) in MASK_SHAPES, op, "atten_mask", f"must be 2048x2048, got {list(mask.shape)}")
     need(all(k >= n for k, n in zip(kv, qlens)), op, "actual_seq_lengths_kv",
          "must be at least each batch's query length (sparse_mode=3)")
@@ -144,3 +149,13 @@ RULES = {
     "npu_add_rms_norm": add_rms_norm,
     "npu_apply_rotary_pos_emb": rotary,
 }
+
+
+def check_call(signatures, call) -> dict:
+    """Bind one recorded call to its op's signature and apply the op's rules: the bound
+    arguments, or BindError / RuleError naming the op and the argument."""
+    if call.op not in signatures:
+        raise BindError(f"{call.op}: the wheel has no such op")
+    bound = bind(signatures[call.op], call.args, call.kwargs)
+    RULES[call.op](bound)
+    return bound

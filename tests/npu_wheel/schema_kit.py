@@ -57,7 +57,7 @@ def from_schema(schema: str, source: str) -> Signature:
 def custom_schemas(yaml_text: str, source: str) -> dict[str, Signature]:
     """Every ``func:`` of the native-functions yaml, keyed by op name (overloads keep their '.x')."""
     out: dict[str, Signature] = {}
-    for m in re.finditer(r"^\s*(?:-\s*)?func:\s*(.+?)\s*$", yaml_text, re.M):
+    for m in re.finditer(r"^\s*(?:-\s*)?func:\s*(.+?)\s*$", yaml_text, re.MULTILINE):
         text = m.group(1).strip("'\"")
         name = text.split("(", 1)[0]
         if "(" in text and name not in out:   # entries that only name an aten op have no schema

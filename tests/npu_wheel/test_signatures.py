@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from rules_kit import RULES, RuleError
+from rules_kit import RULES, RuleError, check_call
 from schema_kit import NO_DEFAULT, BindError, bind, compiled_schemas
 from wheel_kit import ATB_HEADER, ATB_LIBRARY, exposed_ops
 
@@ -30,15 +30,6 @@ RELIED_DEFAULTS = [
     ("npu_fused_infer_attention_score", "next_tokens", 2147483647),
     ("_npu_paged_attention", "workspace", None),
 ]
-
-
-def check_call(signatures, call):
-    """Bind one recorded call and apply its documented rules; BindError/RuleError otherwise."""
-    if call.op not in signatures:
-        raise BindError(f"{call.op}: the wheel has no such op")
-    bound = bind(signatures[call.op], call.args, call.kwargs)
-    RULES[call.op](bound)
-    return bound
 
 
 def all_calls(scenarios):

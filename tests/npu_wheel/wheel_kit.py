@@ -9,14 +9,18 @@ and never installed.
 from __future__ import annotations
 
 import ast
-import functools
 import os
 import re
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
+
+
+try:
+    import tomllib
+except ModuleNotFoundError:          # Python 3.10: pip's copy of the same parser
+    from pip._vendor import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = ROOT / "pyproject.toml"
@@ -95,12 +99,14 @@ class Wheel:
         self.path = Path(path)
         self._zip = zipfile.ZipFile(self.path)
         self.names = set(self._zip.namelist())
+        self._read: dict[str, bytes] = {}
 
-    @functools.cache
     def read_bytes(self, member: str) -> bytes:
         if member not in self.names:
             raise KeyError(f"{self.path.name} has no file {member}")
-        return self._zip.read(member)
+        if member not in self._read:
+            self._read[member] = self._zip.read(member)
+        return self._read[member]
 
     def read_text(self, member: str) -> str:
         return self.read_bytes(member).decode("utf-8")
@@ -126,7 +132,7 @@ def exposed_ops(wheel: Wheel) -> dict[str, str]:
     """{name: what torch_npu.<name> is}: the ``torch_npu.X = torch.ops.npu.X`` lines of
     custom_ops.py, and the ATB loader's API_LIST (patched in as ``torch.ops.atb.X``)."""
     out = {m.group(1): m.group(2) for m in re.finditer(
-        r"^torch_npu\.(\w+)\s*=\s*(torch\.ops\.\w+\.\w+)\s*$", wheel.read_text(CUSTOM_OPS), re.M)}
+        r"^torch_npu\.(\w+)\s*=\s*(torch\.ops\.\w+\.\w+)\s*$", wheel.read_text(CUSTOM_OPS), re.MULTILINE)}
     tree = ast.parse(wheel.read_text(ATB_OPS))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "API_LIST" for t in node.targets):
