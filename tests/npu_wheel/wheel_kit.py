@@ -16,7 +16,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-
 try:
     import tomllib
 except ModuleNotFoundError:          # Python 3.10: pip's copy of the same parser
@@ -86,7 +85,8 @@ def fetch(version: str, folder: Path | None = None, timeout_s: float = DOWNLOAD_
     hit = _cached(version, folder)
     if proc.returncode != 0 or hit is None:
         said = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        answered = any("from versions:" in line or "No matching distribution" in line for line in said)
+        # offline, pip says "(from versions: none)"; a registry that answered lists its versions
+        answered = any(re.search(r"from versions: (?!none\))", line) for line in said)
         raise WheelUnavailable(f"pip download torch-npu=={version} failed (exit {proc.returncode}): "
                                + " | ".join(said), unreachable=not answered)
     return hit
