@@ -40,10 +40,10 @@ def test_a_cached_wheel_is_used_without_asking_the_registry(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("stderr, unreachable", [
-    ("ERROR: Could not find a version that satisfies the requirement torch-npu==0.0.1 (from versions: 2.13.0)\n"
-     "ERROR: No matching distribution found for torch-npu==0.0.1", False),
-    ("WARNING: Retrying ... NewConnectionError\nERROR: Could not find a version that satisfies the "
-     "requirement torch-npu==2.13.0 (from versions: none)", True),
+    (("ERROR: Could not find a version that satisfies the requirement torch-npu==0.0.1 (from versions: 2.13.0)\n"
+     "ERROR: No matching distribution found for torch-npu==0.0.1"), False),
+    (("WARNING: Retrying ... NewConnectionError\nERROR: Could not find a version that satisfies the "
+     "requirement torch-npu==2.13.0 (from versions: none)"), True),
 ])
 def test_a_failed_download_says_what_pip_said_and_whether_the_registry_answered(tmp_path, monkeypatch,
                                                                                stderr, unreachable):
