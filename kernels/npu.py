@@ -164,7 +164,8 @@ def _norm_rank(x: torch.Tensor) -> str | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference contract (the fused op multiplies by the weight before rounding: within 1 ulp)."""
+    """Reference contract. torch-npu does not document the op's rounding order; expect about one
+    bf16 step from the reference (docs/npu.md)."""
     reason = _unsupported((x, weight), NORM_DTYPES) or _norm_rank(x)
     if reason is not None:
         warn_fallback("rms_norm", reason)

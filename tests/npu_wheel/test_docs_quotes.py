@@ -13,7 +13,7 @@ import pytest
 from wheel_kit import ROOT
 
 DOC = ROOT / "docs" / "npu.md"
-QUOTE = re.compile(r"^> `(?P<file>[^`]+)` · `(?P<scope>[^`]+)`: 「(?P<text>[^」]+)」\s*$", re.M)
+QUOTE = re.compile(r"^> `(?P<file>[^`]+)` · `(?P<scope>[^`]+)`: 「(?P<text>[^」]+)」\s*$", re.MULTILINE)
 
 
 def quotations():
