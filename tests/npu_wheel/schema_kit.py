@@ -141,6 +141,12 @@ def compiled_schemas(library: bytes, source: str) -> dict[str, Signature]:
     return out
 
 
+def compiled_schema(library: bytes, op: str, source: str) -> Signature | None:
+    """The schema of ``op`` (default overload) stored whole in a compiled library, if any."""
+    m = re.search(rb"(?<![\w.])" + re.escape(op.encode()) + rb"\([\x20-\x7e]*?\) -> [\x20-\x7e]+", library)
+    return from_schema(m.group(0).decode(), source) if m else None
+
+
 def _fits(kind: str, value) -> bool:
     if kind.startswith("Optional["):
         return value is None or _fits(kind[len("Optional["):-1], value)

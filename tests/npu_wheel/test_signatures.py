@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 from rules_kit import RULES, RuleError, check_call
-from schema_kit import NO_DEFAULT, BindError, bind, compiled_schemas
-from wheel_kit import ATB_HEADER, ATB_LIBRARY, exposed_ops
+from schema_kit import NO_DEFAULT, BindError, bind, compiled_schema, compiled_schemas
+from wheel_kit import ATB_HEADER, ATB_LIBRARY, NPU_LIBRARY, exposed_ops
 
 OPS = set(RULES)
 
@@ -78,6 +78,25 @@ def test_atb_header_agrees_with_the_compiled_schemas(wheel, signatures):
         for p, q in zip(mine, theirs):
             if q.default is not NO_DEFAULT:
                 assert p.default == q.default, (op, p.name)
+
+
+def test_custom_op_schemas_agree_with_libtorch_npu_and_differing_names_are_passed_by_position(
+        wheel, signatures, scenarios):
+    """The yaml schemas against the ones compiled into libtorch_npu.so: same order, types and
+    defaults. Where a keyword differs (npu_rms_norm's first argument is 'self' in one, 'input' in
+    the other), the kernel set must pass that argument by position."""
+    library = wheel.read_bytes(NPU_LIBRARY)
+    for op in sorted(o for o in OPS if signatures[o].source != ATB_HEADER):
+        compiled = compiled_schema(library, op, NPU_LIBRARY)
+        assert compiled is not None, f"{op}: no schema in {NPU_LIBRARY}"
+        mine, theirs = signatures[op].params, compiled.params
+        assert [(p.type, p.kwarg_only) for p in mine] == [(p.type, p.kwarg_only) for p in theirs], op
+        assert [p.default for p in mine] == [p.default for p in theirs], op
+        renamed = {i for i, (p, q) in enumerate(zip(mine, theirs)) if p.name != q.name}
+        for _, call in all_calls(scenarios):
+            if call.op == op:
+                assert all(i < len(call.args) for i in renamed), (
+                    f"{op}: argument {mine[min(renamed)].name!r} must be passed by position")
 
 
 # --- a deliberately wrong call fails, and says which op and which argument -------------------
