@@ -117,7 +117,7 @@ class MetaFunctions:
                 return True
         return False
 
-    def run(self, op: str, *args, **kwargs):
+    def run(self, op: str, /, *args, **kwargs):
         """Outputs of the meta function for real (cpu) arguments: tensors go in as meta tensors,
         outputs come back as empty tensors of the inferred shape and dtype on the device of the
         first tensor argument."""
