@@ -48,5 +48,5 @@ def meta(wheel) -> MetaFunctions:
 
 @pytest.fixture(scope="session")
 def scenarios(meta):
-    from recorder import run_scenarios
+    from standin_kit import run_scenarios
     return run_scenarios(meta)

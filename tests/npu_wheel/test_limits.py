@@ -6,8 +6,8 @@ import pytest
 import torch
 from qwen_npu.kernels import npu as npu_k
 from qwen_npu.kernels import reference as ref
-from recorder import attention_case, run_with_stand_in
 from rules_kit import check_call
+from standin_kit import attention_case, run_with_stand_in
 
 
 def rope_case(head_dim):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recorder import SCENARIOS
+from standin_kit import SCENARIOS
 
 META_OPS = ["npu_fused_infer_attention_score", "npu_rms_norm", "npu_add_rms_norm", "npu_apply_rotary_pos_emb"]
 

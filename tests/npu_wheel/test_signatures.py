@@ -1,6 +1,6 @@
 """Every torch_npu call the npu kernel set makes, bound against the signatures in the wheel.
 
-The calls are recorded on the CPU through a stand-in for torch_npu (recorder.py); the
+The calls are recorded on the CPU through a stand-in for torch_npu (standin_kit.py); the
 signatures are read from the pinned wheel's files (schema_kit.py); the documented requirements
 of each op are in rules_kit.py.
 """
