@@ -4,16 +4,22 @@ torch_npu is loaded through ``qwen_npu.device.load_torch_npu`` at the first call
 never at import, so ``import qwen_npu.kernels.npu`` works on any machine. Each function checks
 whether its fused op can express the call; where it cannot (tensors not on an npu, float32 where
 the op wants fp16/bf16, a block size or head_dim the op does not take, ...) it runs the reference
-kernel instead and says so with ``warnings.warn`` ONCE per (function, reason).
+kernel instead and says so with ``warnings.warn`` ONCE per (function, reason). The limits are the
+ones torch-npu's own documentation states (docs/npu.md quotes each one).
 
     function         fused op                                   falls back when
     write_kv         _npu_reshape_and_cache (ATB)               cache not fp16/bf16
     paged_attention  decode: _npu_paged_attention (ATB)         dtype not fp16/bf16,
-                     prefill chunks: npu_fused_infer_attention_  block_size % 16, head_dim % 16,
-                       score, TND layout, sparse_mode=3 (causal)  head_dim > 256, empty rows
-    rms_norm         npu_rms_norm                               weight dtype != x dtype
+                                                                  block_size % 16, head_dim % 16,
+                                                                  head_dim > 256
+                     prefill chunks: npu_fused_infer_attention_  the same, and block_size not a
+                       score, TND layout, sparse_mode=3 (causal)  multiple of 128 up to 512, more
+                                                                  than 64 query heads per kv head,
+                                                                  kv_heads * head_dim > 65535,
+                                                                  empty rows
+    rms_norm         npu_rms_norm                               weight dtype != x dtype, x not 2-8-D
     add_rms_norm     npu_add_rms_norm                           (same)
-    rope             npu_apply_rotary_pos_emb, BSND, "half"     head_dim % 16
+    rope             npu_apply_rotary_pos_emb, BSND, "half"     head_dim not 64 or 128
 
 Host data only comes from the host copies in AttentionMetadata (no device-to-host sync).
 """
@@ -35,6 +41,11 @@ NAME = "npu"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_SIZE = 2048   # sparse_mode=3 takes one compressed [2048, 2048] causal mask for any length
+DEVICE_TYPE = "npu"   # the device type the fused ops run on
+ROPE_HEAD_DIMS = (64, 128)          # npu_apply_rotary_pos_emb on A2/A3: D must be 128 or 64
+PAGED_PREFILL_BLOCK_SIZES = range(128, 513, 128)   # the fused op's paged prefill: 128..512, x128
+MAX_HEADS_PER_KV_HEAD = 64
+MAX_KV_HIDDEN = 65535               # (blocks, block_size, kv_heads * head_dim) cache layout limit
 
 
 @functools.cache
@@ -46,7 +57,7 @@ def warn_fallback(op: str, reason: str) -> None:
 
 def _unsupported(tensors: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...]) -> str | None:
     first = tensors[0]
-    if first.device.type != "npu":
+    if first.device.type != DEVICE_TYPE:
         return f"tensors are on {first.device.type}, not an npu"
     if first.dtype not in dtypes:
         names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -83,20 +94,34 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Reference contract. Decode rows use ATB paged attention; prefill chunks (and decode with
     block_size * head_dim > 128 * 128) use the fused infer-attention op with a causal mask."""
-    _, block_size, _, head_dim = key_cache.shape
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    decode = meta.is_decode and block_size * head_dim <= 128 * 128
     reason = _unsupported((query, key_cache, value_cache), HALF_DTYPES)
     if reason is None and block_size % 16:
         reason = f"block_size {block_size} is not a multiple of 16"
     if reason is None and (head_dim % 16 or head_dim > 256):
         reason = f"head_dim {head_dim} is not a multiple of 16 up to 256"
-    if reason is None and not meta.is_decode and 0 in meta.query_lens_host:
-        reason = "a prefill row computes no token"
+    if reason is None and not decode:
+        reason = _prefill_unsupported(query, meta, block_size, num_kv_heads, head_dim)
     if reason is not None:
         warn_fallback("paged_attention", reason)
         return reference.paged_attention(query, key_cache, value_cache, meta, scale)
-    if meta.is_decode and block_size * head_dim <= 128 * 128:
+    if decode:
         return _decode(query, key_cache, value_cache, meta, scale)
     return _prefill(query, key_cache, value_cache, meta, scale)
+
+
+def _prefill_unsupported(query, meta, block_size, num_kv_heads, head_dim) -> str | None:
+    """Why npu_fused_infer_attention_score cannot take this paged call (None when it can)."""
+    if block_size not in PAGED_PREFILL_BLOCK_SIZES:
+        return f"block_size {block_size} is not a multiple of 128 up to 512 (paged prefill)"
+    if query.shape[1] % num_kv_heads or query.shape[1] // num_kv_heads > MAX_HEADS_PER_KV_HEAD:
+        return f"{query.shape[1]} query heads over {num_kv_heads} kv heads is not a group of at most 64"
+    if num_kv_heads * head_dim > MAX_KV_HIDDEN:
+        return f"kv_heads * head_dim = {num_kv_heads * head_dim} is above {MAX_KV_HIDDEN}"
+    if 0 in meta.query_lens_host:
+        return "a prefill row computes no token"
+    return None
 
 
 def _decode(query, key_cache, value_cache, meta, scale):
@@ -134,9 +159,14 @@ def _causal_mask(device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device), diagonal=1)
 
 
+def _norm_rank(x: torch.Tensor) -> str | None:
+    return None if 2 <= x.dim() <= 8 else f"x is {x.dim()}-D (the fused norm takes 2-D to 8-D)"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference contract (the fused op multiplies by the weight before rounding: within 1 ulp)."""
-    reason = _unsupported((x, weight), NORM_DTYPES)
+    """Reference contract. torch-npu does not document the op's rounding order; expect about one
+    bf16 step from the reference (docs/npu.md)."""
+    reason = _unsupported((x, weight), NORM_DTYPES) or _norm_rank(x)
     if reason is not None:
         warn_fallback("rms_norm", reason)
         return reference.rms_norm(x, weight, eps)
@@ -146,7 +176,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference contract: (rms_norm(x + residual), x + residual)."""
-    reason = _unsupported((x, residual, weight), NORM_DTYPES)
+    reason = _unsupported((x, residual, weight), NORM_DTYPES) or _norm_rank(x)
     if reason is not None:
         warn_fallback("add_rms_norm", reason)
         return reference.add_rms_norm(x, residual, weight, eps)
@@ -160,8 +190,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     are copied into [1, T, heads, D] buffers first (the caller's tensors are left unchanged)."""
     tokens, num_heads, head_dim = q.shape
     reason = _unsupported((q, k), NORM_DTYPES)
-    if reason is None and head_dim % 16:
-        reason = f"head_dim {head_dim} is not a multiple of 16"
+    if reason is None and head_dim not in ROPE_HEAD_DIMS:
+        reason = f"head_dim {head_dim} is not 64 or 128"
     if reason is not None:
         warn_fallback("rope", reason)
         return reference.rope(q, k, cos, sin)

@@ -4,6 +4,12 @@ The oracle is the reference kernel run in float32 on the CPU from the same (roun
 Tolerances: float16 atol = rtol = 5e-3, bfloat16 atol = rtol = 2e-2 (README.md). Each test also
 checks that the fused op really ran (no "running the reference kernel" warning), so a fallback
 cannot pass as conformance.
+
+What only a card settles (docs/npu.md, "What still needs a card"): the prefill cases cover a
+first chunk whose query length equals its context (row (0, 37)) and chunks that start
+mid-context, so they settle the causal-mask alignment and polarity under sparse_mode=3 and TND
+with a paged cache; the decode cases pass context_lens as a host int32 tensor; write_kv covers
+skipped slots; the norm tests bound the rounding.
 """
 from __future__ import annotations
 
@@ -90,6 +96,17 @@ def test_paged_attention(npu, rows, gqa, dtype):
     torch.testing.assert_close(out.cpu().float(), reference_attention(query, kc, vc, meta, scale), **TOL[dtype])
 
 
+@pytest.mark.parametrize("rows", [DECODE_ROWS, PREFILL_ROWS], ids=["decode", "prefill"])
+def test_paged_attention_256_token_blocks(npu, rows):
+    """block_size 256: decode too goes through npu_fused_infer_attention_score here."""
+    meta, query, kc, vc = build_case(rows, 2, 2, torch.bfloat16, npu, block_size=256)
+    scale = HEAD_DIM ** -0.5
+    with fused_only():
+        out = npu_k.paged_attention(query, kc, vc, meta, scale)
+    torch.testing.assert_close(out.cpu().float(), reference_attention(query, kc, vc, meta, scale),
+                               **TOL[torch.bfloat16])
+
+
 def test_decode_row_ignores_other_rows_blocks(npu):
     meta, query, kc, vc = build_case(DECODE_ROWS, 2, 2, torch.bfloat16, npu)
     with fused_only():
@@ -139,12 +156,13 @@ def test_rms_norm_and_add_rms_norm(npu, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gqa", [1, 2, 5])
-def test_rope(npu, gqa, dtype):
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+def test_rope(npu, gqa, dtype, head_dim):
     gen = torch.Generator().manual_seed(3)
     t = 9
-    q = torch.randn(t, 2 * gqa, HEAD_DIM, generator=gen).to(dtype).to(npu)
-    k = torch.randn(t, 2, HEAD_DIM, generator=gen).to(dtype).to(npu)
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, HEAD_DIM, 2).double() / HEAD_DIM)
+    q = torch.randn(t, 2 * gqa, head_dim, generator=gen).to(dtype).to(npu)
+    k = torch.randn(t, 2, head_dim, generator=gen).to(dtype).to(npu)
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2).double() / head_dim)
     freqs = torch.tensor([0, 1, 2, 50, 51, 300, 301, 4000, 4001]).double()[:, None] * inv_freq
     emb = torch.cat((freqs, freqs), -1)
     cos, sin = emb.cos().float().to(npu), emb.sin().float().to(npu)
