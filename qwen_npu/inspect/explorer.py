@@ -63,7 +63,7 @@ class Explorer:
         self.history = w.IntSlider(value=0, min=0, max=0, description="step", continuous_update=False)
         self.step_view = w.HTML()
         self.topk_view = w.HTML(layout=w.Layout(flex="1 1 360px", min_width="0", max_height="480px",
-                                                overflow_y="auto"))     # k lines per row of a big batch
+                                                overflow="auto"))     # k lines per row of a big batch
         num_slots = sess.config.num_blocks * sess.config.block_size
         self.slot = w.BoundedIntText(value=0, min=0, max=num_slots - 1, description="slot",
                                      layout=w.Layout(width="160px"))
