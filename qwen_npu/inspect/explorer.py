@@ -2,6 +2,7 @@
 
     ┌ prompt [..............] max new [8] [add request]                                   ┐
     │ [prefill] [decode step] [step] [sample] [x] sample after prefill/decode  [refresh]  │
+    │                                          (a progress bar here while an action runs) │
     │ message: what the last button did, or the session's error                           │
     │ session: model, cache bar, block-occupancy grid, requests table                     │
     │ step history slider ──> that step's rows, block tables and slots                    │
@@ -9,7 +10,8 @@
     └─────────────────────────────────────────────────────────────────────────────────────┘
 
 It drives the same Session object the notebook holds: run code cells in between, then press
-"refresh" (every button refreshes too). Errors from the session are shown, never raised.
+"refresh" (every button refreshes too). Errors from the session are shown, never raised. The
+rows wrap to the notebook's width; the drawn views sit on white paper (see ``explorer_html``).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ class Explorer:
         import ipywidgets as w
         self.session = sess
         self.k = k
-        wrap = dict(flex_flow="row wrap", align_items="center")
+        wrap = {"flex_flow": "row wrap", "align_items": "center"}
         # continuous_update=False: the text is sent once, when the box loses focus (pressing "add
         # request" does that), ahead of the click; per-keystroke updates are throttled by the front
         # end and the click could overtake the last of them.
@@ -47,7 +49,7 @@ class Explorer:
                              layout=w.Layout(flex="1 1 320px", min_width="240px", max_width="560px"))
         self.max_new_tokens = w.BoundedIntText(value=max_new_tokens, min=1, max=sess.config.max_model_len,
                                                description="max new", layout=w.Layout(width="160px"))
-        fit = dict(width="auto", min_width="72px")
+        fit = {"width": "auto", "min_width": "72px"}
         self.add_button = w.Button(description="add request", button_style="primary", layout=w.Layout(**fit))
         self.prefill_button = w.Button(description="prefill", layout=w.Layout(**fit))
         self.decode_button = w.Button(description="decode step", layout=w.Layout(**fit))

@@ -37,7 +37,7 @@ def find() -> tuple[str | None, str | None, str]:
 
 
 def version(binary: str) -> str:
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     return out.strip().splitlines()[0] if out.strip() else "unknown"
 
 

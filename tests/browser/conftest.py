@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 import chromium_kit as chromium
+import pytest
 
 
 @pytest.fixture(scope="session")

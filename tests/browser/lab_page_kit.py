@@ -193,8 +193,7 @@ class LabPage:
                    describe=lambda: f"busy={self.part('busy').text!r} disabled={self.disabled_controls()}")
 
     def disabled_controls(self) -> list[str]:
-        """Labels of disabled buttons and inputs, the step slider excepted (it is disabled while
-        there is no step to show)."""
+        """Labels (or placeholder, or input type) of the explorer's disabled buttons and inputs."""
         out = []
         for e in self.controls():
             if not e.is_enabled():

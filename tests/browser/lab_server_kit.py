@@ -80,7 +80,7 @@ class LabServer:
                "--ServerApp.terminals_enabled=False"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-root")                  # containers and CI machines often run as root
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the server runs; closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=self.notebooks, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -6,8 +6,14 @@ shows. Screenshots of the explorer are taken along the way (see conftest).
 """
 from __future__ import annotations
 
+import os
+
 import nbformat
 import pytest
+
+if os.environ.get("CI", "").lower() != "true":         # under CI a missing Selenium is an error
+    pytest.importorskip("selenium", reason="the browser tests need Selenium: pip install -e '.[dev]'")
+
 from lab_page_kit import KERNEL_TIMEOUT_S, LabPage, wait_until
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
