@@ -2,6 +2,7 @@
 
     ┌ prompt [..............] max new [8] [add request]                                   ┐
     │ [prefill] [decode step] [step] [sample] [x] sample after prefill/decode  [refresh]  │
+    │                                          (a progress bar here while an action runs) │
     │ message: what the last button did, or the session's error                           │
     │ session: model, cache bar, block-occupancy grid, requests table                     │
     │ step history slider ──> that step's rows, block tables and slots                    │
@@ -9,13 +10,15 @@
     └─────────────────────────────────────────────────────────────────────────────────────┘
 
 It drives the same Session object the notebook holds: run code cells in between, then press
-"refresh" (every button refreshes too). Errors from the session are shown, never raised.
+"refresh" (every button refreshes too). Errors from the session are shown, never raised. The
+rows wrap to the notebook's width; the drawn views sit on white paper (see ``explorer_html``).
 """
 from __future__ import annotations
 
 import re
 
 from . import html as h
+from .explorer_html import STYLE, message_html, paper, progress_html
 from .slot_detail import inspect_slot
 from .snapshot import take_session, take_step
 from .topk import topk
@@ -37,47 +40,88 @@ class Explorer:
         import ipywidgets as w
         self.session = sess
         self.k = k
+        wrap = {"flex_flow": "row wrap", "align_items": "center"}
+        # continuous_update=False: the text is sent once, when the box loses focus (pressing "add
+        # request" does that), ahead of the click; per-keystroke updates are throttled by the front
+        # end and the click could overtake the last of them.
         self.prompt = w.Text(placeholder="prompt text, or comma-separated token ids", description="prompt",
-                             layout=w.Layout(width="460px"))
+                             continuous_update=False,
+                             layout=w.Layout(flex="1 1 320px", min_width="240px", max_width="560px"))
         self.max_new_tokens = w.BoundedIntText(value=max_new_tokens, min=1, max=sess.config.max_model_len,
                                                description="max new", layout=w.Layout(width="160px"))
-        self.add_button = w.Button(description="add request", button_style="primary")
-        self.prefill_button = w.Button(description="prefill")
-        self.decode_button = w.Button(description="decode step")
-        self.step_button = w.Button(description="step", tooltip="schedule + run + sample one step")
-        self.sample_button = w.Button(description="sample")
-        self.refresh_button = w.Button(description="refresh")
-        self.auto_sample = w.Checkbox(value=True, description="sample after prefill/decode", indent=False)
+        fit = {"width": "auto", "min_width": "72px"}
+        self.add_button = w.Button(description="add request", button_style="primary", layout=w.Layout(**fit))
+        self.prefill_button = w.Button(description="prefill", layout=w.Layout(**fit))
+        self.decode_button = w.Button(description="decode step", layout=w.Layout(**fit))
+        self.step_button = w.Button(description="step", tooltip="schedule + run + sample one step",
+                                    layout=w.Layout(**fit))
+        self.sample_button = w.Button(description="sample", layout=w.Layout(**fit))
+        self.refresh_button = w.Button(description="refresh", layout=w.Layout(**fit))
+        self.auto_sample = w.Checkbox(value=True, description="sample after prefill/decode", indent=False,
+                                      layout=w.Layout(width="auto"))
+        self.busy = w.HTML(layout=w.Layout(width="auto"))     # the progress indicator of a running action
         self.message = w.HTML()
         self.session_view = w.HTML()
         self.history = w.IntSlider(value=0, min=0, max=0, description="step", continuous_update=False)
         self.step_view = w.HTML()
-        self.topk_view = w.HTML()
+        self.topk_view = w.HTML(layout=w.Layout(flex="1 1 360px", min_width="0", max_height="480px",
+                                                overflow="auto"))     # k lines per row of a big batch
         num_slots = sess.config.num_blocks * sess.config.block_size
         self.slot = w.BoundedIntText(value=0, min=0, max=num_slots - 1, description="slot",
                                      layout=w.Layout(width="160px"))
         self.slot_view = w.HTML()
         self._topk_of = None                  # the step whose top-k is shown
-        self.add_button.on_click(lambda _: self.add_request())
-        self.prefill_button.on_click(lambda _: self._act("prefill", sess.prefill))
-        self.decode_button.on_click(lambda _: self._act("decode step", sess.decode_step))
-        self.step_button.on_click(lambda _: self._act("step", sess.step, sample=False))
-        self.sample_button.on_click(lambda _: self._sample())
-        self.refresh_button.on_click(lambda _: self.refresh())
+        self._controls = [self.prompt, self.max_new_tokens, self.add_button, self.prefill_button,
+                          self.decode_button, self.step_button, self.sample_button, self.refresh_button,
+                          self.auto_sample, self.history, self.slot]
+        self.add_button.on_click(lambda _: self._run("add request", self.add_request))
+        self.prefill_button.on_click(lambda _: self._run("prefill", self._act, "prefill", sess.prefill))
+        self.decode_button.on_click(lambda _: self._run("decode step", self._act, "decode step",
+                                                        sess.decode_step))
+        self.step_button.on_click(lambda _: self._run("step", self._act, "step", sess.step, sample=False))
+        self.sample_button.on_click(lambda _: self._run("sample", self._sample))
+        self.refresh_button.on_click(lambda _: self._run("refresh", self.refresh))
         self.history.observe(lambda _: self._show_step(), names="value")
         self.slot.observe(lambda _: self._show_slot(), names="value")
         self.widget = w.VBox([
-            w.HBox([self.prompt, self.max_new_tokens, self.add_button]),
+            w.HTML(STYLE, layout=w.Layout(height="0px", margin="0")),
+            w.HBox([self.prompt, self.max_new_tokens, self.add_button], layout=w.Layout(**wrap)),
             w.HBox([self.prefill_button, self.decode_button, self.step_button, self.sample_button,
-                    self.auto_sample, self.refresh_button]),
+                    self.auto_sample, self.refresh_button, self.busy], layout=w.Layout(**wrap)),
             self.message, self.session_view,
-            w.HBox([self.history]), self.step_view,
-            w.HBox([self.topk_view, w.VBox([self.slot, self.slot_view])]),
+            w.HBox([self.history], layout=w.Layout(**wrap)), self.step_view,
+            w.HBox([self.topk_view, w.VBox([self.slot, self.slot_view], layout=w.Layout(flex="1 1 360px",
+                                                                                       min_width="0"))],
+                   layout=w.Layout(**{**wrap, "align_items": "flex-start"})),
         ])
+        self.widget.add_class("qwen-npu-explorer")
+        for part, name in ((self.prompt, "prompt"), (self.auto_sample, "auto-sample"), (self.busy, "busy"),
+                           (self.message, "message"), (self.session_view, "session"), (self.history, "history"),
+                           (self.step_view, "step"), (self.topk_view, "topk"), (self.slot, "slot-number"),
+                           (self.slot_view, "slot")):
+            part.add_class(f"qwen-npu-{name}")           # stable names for styling and browser tests
         self.refresh()
         self._say("ready: add a request, then prefill / decode step / step")
 
     # ---- actions -------------------------------------------------------------------------------
+    def _run(self, label: str, fn, *args, **kwargs) -> None:
+        """Run one button's action with a progress indicator shown and the controls disabled (so a
+        long step cannot be started twice); whatever happens, the controls come back."""
+        self.busy.value = progress_html(f"running {label}")
+        for c in self._controls:
+            c.disabled = True
+        try:
+            fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            self.refresh()
+            self.message.value = message_html(f"<b>{h.esc(label)} interrupted</b> (KeyboardInterrupt); the views "
+                                              "show the session as it is now", ok=False)
+        finally:
+            for c in self._controls:
+                c.disabled = False
+            self.history.disabled = not self.session.history
+            self.busy.value = ""
+
     def add_request(self) -> None:
         from ..engine.request import SamplingParams
         text = self.prompt.value
@@ -118,9 +162,9 @@ class Explorer:
     def refresh(self) -> None:
         """Redraw everything from the session's current state."""
         try:
-            self.session_view.value = take_session(self.session)._repr_html_()
+            self.session_view.value = paper(take_session(self.session)._repr_html_())
         except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
-            self.session_view.value = h.bad_line(f"cannot draw the session: {e}")
+            self.session_view.value = paper(h.bad_line(f"cannot draw the session: {e}"))
             return
         n = len(self.session.history)
         self.history.max = max(0, n - 1)
@@ -135,38 +179,38 @@ class Explorer:
     def _show_step(self) -> None:
         hist = self.session.history
         if not hist:
-            self.step_view.value = h.muted("no step has run yet")
+            self.step_view.value = paper(h.muted("no step has run yet"))
             return
         i = min(self.history.value, len(hist) - 1)
-        self.step_view.value = take_step(hist[i], self.session.config.block_size)._repr_html_()
+        self.step_view.value = paper(take_step(hist[i], self.session.config.block_size)._repr_html_())
 
     def _show_topk(self) -> None:
         """Top-k of the last step, read from the device once per step (the copy is counted)."""
         last = self.session.last_step
         if last is None or last.logits is None:
-            self.topk_view.value = h.view("Top-k next tokens", h.muted("the last step produced no logits"))
+            self.topk_view.value = paper(h.view("Top-k next tokens", h.muted("the last step produced no logits")))
             return
         if self._topk_of is last:
             return
         tok = self.session.tokenizer
         try:
-            self.topk_view.value = topk(last, self.k, tok.decode if tok is not None else None)._repr_html_()
+            self.topk_view.value = paper(topk(last, self.k, tok.decode if tok is not None else None)._repr_html_())
             self._topk_of = last
         except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
-            self.topk_view.value = h.view("Top-k next tokens", h.bad_line(str(e)))
+            self.topk_view.value = paper(h.view("Top-k next tokens", h.bad_line(str(e))))
 
     def _show_slot(self) -> None:
         try:
-            self.slot_view.value = inspect_slot(self.session, int(self.slot.value))._repr_html_()
+            self.slot_view.value = paper(inspect_slot(self.session, int(self.slot.value))._repr_html_())
         except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
-            self.slot_view.value = h.bad_line(str(e))
+            self.slot_view.value = paper(h.bad_line(str(e)))
 
     def _say(self, text: str) -> None:
-        self.message.value = f'<div style="{h.FONT};color:{h.OK_COLOR}">{h.esc(text)}</div>'
+        self.message.value = message_html(h.esc(text), ok=True)
 
     def _error(self, action: str, e: Exception) -> None:
-        self.message.value = (f'<div style="{h.FONT};color:{h.BAD_COLOR}"><b>{h.esc(action)} failed: '
-                              f'{h.esc(type(e).__name__)}</b>: {h.esc(e)}</div>')
+        self.message.value = message_html(f"<b>{h.esc(action)} failed: {h.esc(type(e).__name__)}</b>: "
+                                          f"{h.esc(e)}", ok=False)
 
     # ---- display -------------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):

@@ -122,3 +122,27 @@ def test_refresh_reads_the_top_k_once_per_step(explorer):
     assert sess.last_step.transfers["d2h"] == d2h           # no new copy for the same step
     ex.step_button.click()
     assert "step 1" in ex.topk_view.value
+
+
+def test_a_long_action_shows_progress_and_an_interrupt_gives_the_controls_back(explorer):
+    ex, sess = explorer, explorer.session
+    add(ex, "1,2,3")
+    seen = []
+
+    def look(x):                     # runs inside the step: what the page shows meanwhile
+        seen.append((ex.busy.value, [c.disabled for c in ex._controls]))
+
+    with sess.intervene("embed", look):
+        ex.step_button.click()
+    assert "<progress" in seen[0][0] and "running step" in seen[0][0] and all(seen[0][1])
+    assert ex.busy.value == "" and not any(c.disabled for c in ex._controls)
+
+    def interrupt(x):
+        raise KeyboardInterrupt
+
+    with sess.intervene("embed", interrupt):
+        ex.decode_button.click()                     # Ctrl-C in the middle of the forward
+    assert "decode step interrupted" in ex.message.value and len(sess.history) == 1
+    assert ex.busy.value == "" and not any(c.disabled for c in ex._controls)
+    ex.decode_button.click()                         # the session goes on where it was
+    assert "decode step: step 1 ran 1 row(s)" in ex.message.value
