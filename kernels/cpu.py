@@ -30,7 +30,7 @@ attention. Tolerances against the reference (tests/kernels/test_cpu.py): float32
 = 1e-5; bfloat16 atol = rtol = 2e-2.
 
 The C++ sources (``csrc/``) are compiled once per machine by ``kernels/build.py`` (a C++ compiler,
-the Python headers and ninja are needed; about a minute), when the first Session that uses the set
+the Python headers and ninja are needed; about a minute or two), when the first Session that uses the set
 is made, or ahead of time with ``qwen-npu build-kernels`` / ``qwen_npu.build_kernels()``. The
 build is cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a
 folder named after a hash of the sources, flags, torch and Python versions, so an edited source is

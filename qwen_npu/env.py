@@ -117,7 +117,7 @@ def _cpu_kernels() -> list[tuple[str, str]]:
     items = [("cpu kernels", f"{'usable' if ok else 'not usable'}: {reason}")]
     if ok:
         state, detail = build.build_status(cpu.extension())
-        hint = {"not built": "; `qwen-npu build-kernels` builds it now (about a minute)",
+        hint = {"not built": "; `qwen-npu build-kernels` builds it now (about a minute or two)",
                 "failed": "; `qwen-npu build-kernels` tries again"}.get(state, "")
         items.append(("cpu kernel build", f"{state}: {detail}{hint}"))
     items.append(("native bf16", cpu_choice.native_bf16()[1]))

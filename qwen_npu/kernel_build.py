@@ -1,6 +1,6 @@
 """``qwen_npu.build_kernels()`` / ``qwen-npu build-kernels``: build the CPU kernels ahead of time.
 
-The first Session that uses the cpu kernel set builds it anyway (about a minute, said on screen);
+The first Session that uses the cpu kernel set builds it anyway (about a minute or two, said on screen);
 building ahead of time moves that minute into an image build, a CI setup step or a moment of
 your choosing. The build is cached per machine (see ``kernels/build.py``), so a second call only
 loads it.

@@ -230,3 +230,25 @@ def test_auto_choice_follows_the_cpus_bf16_support(fresh_state, monkeypatch, fla
             warnings.simplefilter("always")
             assert devices.prepare_kernels("auto", "cpu") == "reference"
         assert any("no C++ compiler" in str(w.message) for w in caught)
+
+
+def test_build_kernels_command_builds_ahead_of_time_and_reports_failures(real_extension, tmp_path, monkeypatch,
+                                                                          capsys):
+    from qwen_npu.cli import main
+    library = real_extension.library                        # built, so the command only loads it
+    assert main(["build-kernels", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "the CPU kernels are ready" in out and str(library) in out
+    assert "kernels='auto' on this CPU runs the" in out
+    assert "building the CPU kernels once" not in out                                # nothing to build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("CXX", "/bin/false")
+    cpu.availability.cache_clear()
+    try:
+        assert main(["build-kernels", "--no-progress"]) == 1
+    finally:
+        cpu.availability.cache_clear()
+    out = capsys.readouterr().out
+    assert out.startswith("building the CPU kernels once for this machine")        # said before it started
+    assert "qwen-npu build-kernels: building qwen_npu_cpu_" in out and "CXX=/bin/false failed" in out
