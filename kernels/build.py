@@ -182,7 +182,7 @@ def _load(ext: Extension) -> ModuleType:
         return cpp_extension.load(name=ext.name, sources=list(ext.sources), extra_cflags=list(ext.cflags),
                                   extra_ldflags=list(ext.ldflags), extra_include_paths=list(ext.include_paths),
                                   build_directory=str(ext.folder), verbose=False)
-    except Exception as e:  # noqa: BLE001 - any failure (compiler, linker, loader) is a failed build
+    except Exception as e:      # any failure (compiler, linker, loader) is a failed build
         text = str(e) or type(e).__name__
         output = text.partition(": ")[2] or getattr(e, "output", b"") or ""
         if isinstance(output, bytes):

@@ -64,6 +64,11 @@ def choose() -> tuple[str, str]:
     return "cpu", f"{evidence}; {reason}: the cpu set's fp32 arithmetic beats torch's generic bf16 path"
 
 
+def would_gain() -> bool:
+    """Would this CPU run the cpu set faster than the reference set (AVX2, no native bf16)?"""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and not native_bf16()[0]
+
+
 def _safe(fn) -> bool:
     try:
         return bool(fn())

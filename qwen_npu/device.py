@@ -168,9 +168,9 @@ def prepare_kernels(name: str, device: torch.device | str) -> str:
     chosen = resolve_kernels(name, device)
     if device_type(device) != "cpu":
         return chosen
-    from .kernels import build, cpu, cpu_choice   # lazy: kernels sit above device in the layering
+    from .kernels import build, cpu, cpu_choice  # lazy: kernels sit above device in the layering
     if chosen == "reference":
-        if name == "auto" and not cpu_choice.native_bf16()[0]:
+        if name == "auto" and cpu_choice.would_gain():
             warnings.warn(f"kernels='auto' runs the reference set: {cpu_kernels_choice()[1]}", stacklevel=4)
         return chosen
     try:

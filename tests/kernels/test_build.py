@@ -15,10 +15,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+from qwen_npu.kernels import build, cpu, cpu_choice
 
 from qwen_npu import device as devices
 from qwen_npu.errors import DeviceError
-from qwen_npu.kernels import build, cpu, cpu_choice
 
 HOLD_FLOCK = textwrap.dedent("""
     import fcntl, os, sys, time
@@ -83,7 +83,7 @@ def test_two_threads_asking_at_once_build_once_and_say_so_once(fresh_state, monk
         gate.wait()
         try:
             got.append(build.ensure_built(ext, log=logs.append, progress=True))
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     threads = [threading.Thread(target=ask) for _ in range(2)]
@@ -159,8 +159,8 @@ def test_broken_compiler_fails_once_and_sessions_fall_back_with_a_warning(fresh_
     with pytest.raises(DeviceError, match="kernels='cpu'"):
         devices.prepare_kernels("cpu", "cpu")
     monkeypatch.setattr(devices, "resolve_kernels", lambda name, dev: "cpu")     # as on a fresh process
+    from qwen_npu import Session
     with pytest.warns(UserWarning, match=r"runs the reference set: building .* failed.*slower"):
-        from qwen_npu import Session
         sess = Session.from_pretrained(tiny_ckpt, device="cpu", max_model_len=64)
     assert sess.config.kernels == "reference" and len(tries.read_text().splitlines()) == n
 
@@ -196,7 +196,8 @@ def test_lock_left_by_a_killed_build_is_removed_with_a_message(real_extension):
     assert stale.exists()
     load = "from qwen_npu.kernels import cpu; cpu.ensure_built(progress=False); print('loaded')"
     try:
-        done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300,
+                              check=False)
     finally:
         stale.unlink(missing_ok=True)
     assert done.returncode == 0, done.stderr
@@ -214,7 +215,8 @@ def test_lock_left_by_a_killed_build_is_removed_with_a_message(real_extension):
 def test_auto_choice_follows_the_cpus_bf16_support(fresh_state, monkeypatch, flags, probes, mkldnn, want):
     monkeypatch.setattr(cpu_choice, "cpu_flags", lambda: frozenset(flags))
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        monkeypatch.setattr(cpu_choice.torch.cpu, name, lambda v=probes.get(name, False): v, raising=False)
+        value = probes.get(name, False)
+        monkeypatch.setattr(cpu_choice.torch.cpu, name, lambda v=value: v, raising=False)
     monkeypatch.setattr(cpu_choice.torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: mkldnn, raising=False)
     monkeypatch.setattr(cpu, "availability", lambda: (True, "AVX2 CPU, stubbed compiler"))
     chosen, why = cpu_choice.choose()
@@ -252,3 +254,20 @@ def test_build_kernels_command_builds_ahead_of_time_and_reports_failures(real_ex
     out = capsys.readouterr().out
     assert out.startswith("building the CPU kernels once for this machine")        # said before it started
     assert "qwen-npu build-kernels: building qwen_npu_cpu_" in out and "CXX=/bin/false failed" in out
+
+
+@pytest.mark.parametrize("capability, warns", [("AVX2", True), ("DEFAULT", False)])
+def test_auto_warns_about_the_reference_set_only_where_the_cpu_set_would_be_faster(fresh_state, monkeypatch,
+                                                                                   capability, warns):
+    monkeypatch.setattr(cpu_choice, "cpu_flags", lambda: frozenset({"avx2"}))
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(cpu_choice.torch.cpu, name, lambda: False, raising=False)
+    monkeypatch.setattr(cpu_choice.torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu, "availability", lambda: (False, "stubbed: no C++ compiler"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert devices.prepare_kernels("auto", "cpu") == "reference"
+    texts = [str(w.message) for w in caught]
+    want = ("kernels='auto' runs the reference set: the cpu set cannot be built here (stubbed: no C++ "
+            f"compiler); the reference set is {cpu_choice.SLOWER}")
+    assert texts == ([want] if warns else [])

@@ -15,11 +15,11 @@ import warnings
 
 import pytest
 import torch
+from qwen_npu.kernels import cpu as cpu_kernels
+from qwen_npu.kernels import cpu_choice
 
 from qwen_npu import DeviceError
 from qwen_npu import device as dev
-from qwen_npu.kernels import cpu as cpu_kernels
-from qwen_npu.kernels import cpu_choice
 
 NO_TORCH_NPU = importlib.util.find_spec("torch_npu") is None
 needs_no_torch_npu = pytest.mark.skipif(not NO_TORCH_NPU, reason="torch_npu is installed here")
