@@ -1,7 +1,7 @@
 """Building a C++ kernel extension once per machine: visibly, and never waiting for ever.
 
     ensure_built(ext)   the loaded extension module; compiles it first when the cache has none
-    build_status(ext)   "loaded" | "cached" | "not built" | "failed", the folder, the last error
+    build_status(ext)   "loaded" | "cached" | "not built" | "failed" | "failed before", and details
 
 What it adds to ``torch.utils.cpp_extension.load``:
 
@@ -110,17 +110,18 @@ def ensure_built(ext: Extension, *, log=None, progress: bool = True, wait_s: flo
 
 
 def build_status(ext: Extension) -> tuple[str, str]:
-    """(state, detail): "loaded" (in this process), "failed" (in this process, or the last build
-    on this machine), "cached" (built, not loaded yet) or "not built"; detail names the folder
-    or the error."""
+    """(state, detail): "loaded" (in this process), "failed" (in this process: final until
+    ``forget_failures()``), "failed before" (the last build on this machine, another process; the
+    next Session tries again), "cached" (built, not loaded yet) or "not built"; detail names the
+    folder or the error."""
     key = ext.folder
     if key in _loaded:
         return "loaded", str(key)
     if key in _failed:
-        return "failed", f"{_failed[key]} (in this process)"
+        return "failed", str(_failed[key])
     if ext.failure_log.exists():
         first = ext.failure_log.read_text(errors="replace").splitlines()[:1]
-        return "failed", f"the last build failed: {first[0] if first else '?'} (log: {ext.failure_log})"
+        return "failed before", f"the last build failed: {first[0] if first else '?'} (log: {ext.failure_log})"
     if ext.library.exists():
         return "cached", str(ext.library)
     return "not built", f"will build into {key}"

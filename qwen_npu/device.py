@@ -195,7 +195,7 @@ def _cpu_kernels_status() -> tuple[bool, str]:
     ok, reason = cpu.availability()
     if ok:
         state, detail = build.build_status(cpu.extension())
-        if state == "failed" and "(in this process)" in detail:
+        if state == "failed":
             return False, detail
     return ok, reason
 

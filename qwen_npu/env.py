@@ -118,7 +118,8 @@ def _cpu_kernels() -> list[tuple[str, str]]:
     if ok:
         state, detail = build.build_status(cpu.extension())
         hint = {"not built": "; `qwen-npu build-kernels` builds it now (about a minute or two)",
-                "failed": "; `qwen-npu build-kernels` tries again"}.get(state, "")
+                "failed": "; `qwen-npu build-kernels` tries again",
+                "failed before": "; `qwen-npu build-kernels` tries again"}.get(state, "")
         items.append(("cpu kernel build", f"{state}: {detail}{hint}"))
     items.append(("native bf16", cpu_choice.native_bf16()[1]))
     chosen, why = devices.cpu_kernels_choice()
