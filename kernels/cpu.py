@@ -29,23 +29,29 @@ float32 models use torch's float32 matrix products for ``linear`` (already fast)
 attention. Tolerances against the reference (tests/kernels/test_cpu.py): float32 atol = rtol
 = 1e-5; bfloat16 atol = rtol = 2e-2.
 
-The C++ sources (``csrc/``) are compiled on first use with ``torch.utils.cpp_extension`` (a C++
-compiler and ninja are needed; about a minute of one core). The build is cached under
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a folder named after a hash
-of the sources, so an edited source is rebuilt and never mixed with an old build. ``available()`` says whether this machine can use the set;
-``kernels="auto"`` picks it on such a CPU and the reference set elsewhere.
+The C++ sources (``csrc/``) are compiled once per machine by ``kernels/build.py`` (a C++ compiler,
+the Python headers and ninja are needed; about a minute or two), when the first Session that uses the set
+is made, or ahead of time with ``qwen-npu build-kernels`` / ``qwen_npu.build_kernels()``. The
+build is cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a
+folder named after a hash of the sources, flags, torch and Python versions, so an edited source is
+rebuilt and never mixed with an old build. ``availability()`` says whether this machine can build
+the set; ``kernels="auto"`` picks it where it can and the CPU has no native bf16
+(``kernels/cpu_choice.py``).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import shutil
+import sys
+import sysconfig
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from . import reference
+from . import build, reference
 from .metadata import AttentionMetadata
 
 NAME = "cpu"
@@ -62,18 +68,20 @@ HALF_OR_FLOAT = (torch.bfloat16, torch.float32)
 
 @functools.lru_cache(maxsize=1)
 def availability() -> tuple[bool, str]:
-    """(usable here?, the reason in words). Does not compile anything."""
+    """(can this machine build and run the set?, the reason in words). Compiles nothing; a build
+    that was tried and failed is reported by ``build.build_status(extension())``."""
     cap = torch.backends.cpu.get_cpu_capability()
     if cap not in ("AVX2", "AVX512"):
         return False, f"the CPU's vector capability is {cap}; these kernels need AVX2 + FMA"
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        return False, "no C++ compiler (c++ or g++) on PATH to build the kernels"
-    if shutil.which("ninja") is None:
-        try:
-            import ninja  # noqa: F401
-        except ImportError:
-            return False, "ninja is not installed (pip install ninja) to build the kernels"
-    return True, f"{cap} CPU with a C++ compiler"
+    cxx = os.environ.get("CXX", "c++")              # what torch's builder runs
+    if shutil.which(cxx) is None:
+        return False, f"no C++ compiler: {cxx!r} (from {'CXX' if 'CXX' in os.environ else 'the default'}) is not on PATH"
+    if build.ninja_path() is None:
+        return False, "ninja is not installed (pip install ninja) to build the kernels"
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not header.exists():
+        return False, f"the Python headers are missing ({header}; install python3-dev or the like)"
+    return True, f"{cap} CPU, C++ compiler {shutil.which(cxx)}"
 
 
 def available() -> bool:
@@ -81,18 +89,29 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def ops():
-    """The compiled extension (built on the first call, then loaded from the build cache)."""
-    ok, reason = availability()
-    if not ok:
-        raise RuntimeError(f"the cpu kernel set cannot run here: {reason}")
-    from torch.utils import cpp_extension
+def extension() -> build.Extension:
+    """The extension to build: its name carries a hash of everything that changes the binary."""
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    digest.update(f"{torch.__version__} {sys.version}".encode())
     for name in SOURCES + HEADERS:
         digest.update((CSRC / name).read_bytes())
-    return cpp_extension.load(name=f"qwen_npu_cpu_{digest.hexdigest()[:12]}",
-                              sources=[str(CSRC / n) for n in SOURCES], extra_cflags=list(CFLAGS),
-                              extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], verbose=False)
+    return build.Extension(name=f"qwen_npu_cpu_{digest.hexdigest()[:12]}",
+                           sources=tuple(str(CSRC / n) for n in SOURCES), cflags=CFLAGS,
+                           ldflags=("-fopenmp",), include_paths=(str(CSRC),))
+
+
+def ensure_built(*, log=None, progress: bool = True):
+    """Build (or load) the C++ extension now; ``build.KernelBuildError`` says why it cannot."""
+    ok, reason = availability()
+    if not ok:
+        raise build.KernelBuildError(f"the cpu kernel set cannot be built here: {reason}")
+    return build.ensure_built(extension(), log=log, progress=progress)
+
+
+@functools.lru_cache(maxsize=1)
+def ops():
+    """The compiled extension (a Session builds it when it is made; this loads it if not)."""
+    return ensure_built()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from .session import Session
 from .dump import Dump, load_dump  # noqa: E402  isort: skip
 from .engine.logprobs import TokenLogprob  # noqa: E402  isort: skip
 from .env import EnvReport, env_report  # noqa: E402  isort: skip
+from .kernel_build import build_kernels  # noqa: E402  isort: skip
 from .memory import MemoryReport  # noqa: E402  isort: skip
 from .scoring import ScoreResult  # noqa: E402  isort: skip
 from .streaming import StreamEvent  # noqa: E402  isort: skip
@@ -23,6 +24,6 @@ __all__ = [
     "QwenNpuError", "CheckpointError", "DeviceError", "InvalidRequestError", "OutOfBlocksError",
     "SlotCollisionError", "StaleOutputError",
     "compare",
-    "load_dump", "Dump", "env_report", "EnvReport", "TokenLogprob", "StreamEvent", "ScoreResult",
+    "load_dump", "Dump", "env_report", "EnvReport", "build_kernels", "TokenLogprob", "StreamEvent", "ScoreResult",
     "MemoryReport",
 ]

@@ -157,6 +157,9 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
     block_size = devices.default_block_size(devices.resolve_device(device))
     num_blocks = max(_blocks_for(work, block_size, MAX_BATCH), MAX_BATCH * (PROBE_CONTEXT // block_size + 2))
     t0 = time.perf_counter()
+    kernels = devices.prepare_kernels(kernels, devices.resolve_device(device))   # a first build, timed apart
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     sess = Session.from_pretrained(path, device=device, max_batch=MAX_BATCH, max_model_len=MAX_MODEL_LEN,
                                    kernels=kernels, prefix_cache=prefix_cache, num_blocks=num_blocks)
     load_s = time.perf_counter() - t0
@@ -174,7 +177,8 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
         result["decode_ms_b1"] = decode_probe(sess, 1)
         result["decode_ms_b16"] = decode_probe(sess, MAX_BATCH)
         result["probe_context"] = PROBE_CONTEXT
-    result.update(peak_rss_bytes=_peak_rss(), load_s=round(load_s, 2), warmup_s=round(warmup_s, 2),
+    result.update(peak_rss_bytes=_peak_rss(), load_s=round(load_s, 2), build_s=round(build_s, 2),
+                  warmup_s=round(warmup_s, 2),
                   model=str(path), device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels,
                   prefix_cache=cfg.prefix_cache, threads=torch.get_num_threads(), requests=len(work))
     if sess.model.device.type == "cuda":
@@ -205,7 +209,8 @@ def format_text(r: dict) -> str:
         f"{r['out_tokens']} output tokens)",
         f"  model      {r['model']} ({r['dtype']}, {r['device']}, kernels {r['kernels']}, {r['threads']} threads, "
         f"prefix cache {'on' if r['prefix_cache'] else 'off'})",
-        f"  load       {r['load_s']:.1f} s, warm-up {r['warmup_s']:.2f} s (not counted)",
+        f"  load       {r['load_s']:.1f} s, warm-up {r['warmup_s']:.2f} s"
+        f"{f', kernel build {b:.1f} s' if (b := r.get('build_s', 0)) >= 0.1 else ''} (not counted)",
         f"  total      {r['seconds']:.2f} s: {r['out_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s",
         f"  prefill    {r['prefill_tokens']} tokens computed in {r['prefill_s']:.2f} s: "
         f"{r['prefill_tok_s'] or 0:.1f} tok/s",

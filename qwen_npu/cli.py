@@ -1,4 +1,4 @@
-"""The `qwen-npu` command: demo, bench, inspect, env."""
+"""The `qwen-npu` command: demo, bench, inspect, env, build-kernels."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model", help="a Qwen3 checkpoint folder instead of the built-in one")
     demo.set_defaults(handler=_demo)
     for module, adder in (("bench", "add_bench_parser"), ("dump", "add_inspect_parser"),
-                          ("env", "add_env_parser")):
+                          ("env", "add_env_parser"), ("kernel_build", "add_build_parser")):
         try:
             mod = __import__(f"qwen_npu.{module}", fromlist=[adder])
         except ImportError:

@@ -3,6 +3,10 @@
 The checkpoint has the real Qwen3 tokenizer but random weights, so the text it writes is
 nonsense; everything else — chunked prefill, block tables, slot mappings, a partial decode
 batch dispatched as a runtime batch — is exactly what a real checkpoint goes through.
+
+Every wait is announced before it starts: making the checkpoint, loading it, and (the first time
+on a machine whose kernel choice is the C++ cpu set) building those kernels, which the Session
+does while it is made, so the tour's timings never include it.
 """
 from __future__ import annotations
 
@@ -25,14 +29,22 @@ MAX_NEW = (12, 4, 8)
 
 def run_demo(out=print, model_dir: str | Path | None = None) -> Session:
     """Print the tour; returns the session for further poking."""
+    from .device import cpu_kernels_choice
+    out("qwen-npu demo: a random-weight Qwen3 with the real tokenizer (its text is nonsense by design)")
+    t_setup = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
+        out(f"  loading {model_dir} ..." if model_dir else "  making a tiny random-weight Qwen3 and loading it "
+            "(a few seconds; a first run on a CPU that uses the C++ kernels builds them first and says so)")
         path = Path(model_dir) if model_dir else make_tiny_qwen3(Path(tmp) / "tiny-qwen3", hidden_size=128,
                                                                 num_hidden_layers=4, num_attention_heads=4,
                                                                 num_key_value_heads=2, head_dim=32,
                                                                 intermediate_size=256)
         sess = Session.from_pretrained(path, max_batch=4, block_size=8, chunk_size=16, num_blocks=64,
                                        max_model_len=256)
-    out("qwen-npu demo: a random-weight Qwen3 with the real tokenizer (its text is nonsense by design)")
+    out(f"  ready in {time.perf_counter() - t_setup:.1f} s (not counted below)")
+    if sess.config.device == "cpu":
+        out(f"  kernels: {sess.config.kernels}" + (f" ({cpu_kernels_choice()[1]})" if sess.config.kernels != "cpu"
+                                                    else " (the C++ cpu set)"))
     out(f"  {sess!r}\n")
     reqs = []
     for prompt, n in zip(PROMPTS, MAX_NEW):

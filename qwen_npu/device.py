@@ -9,9 +9,10 @@ turns every such failure into a reason in words; ``resolve_device("npu")`` raise
 
     spec        -> device            kernels "auto" -> set
     "auto"      -> npu:0 | cuda:0 | cpu               npu device -> "npu"
-    "npu[:N]"   -> npu:N or DeviceError (with reason) cpu device -> "cpu" where it can run
-    "cuda[:N]"  -> cuda:N or DeviceError                            (AVX2 + a C++ compiler)
-    "cpu"       -> cpu                                other      -> "reference"
+    "npu[:N]"   -> npu:N or DeviceError (with reason) cpu device -> "cpu" where it can be built
+    "cuda[:N]"  -> cuda:N or DeviceError                            (AVX2 + a C++ compiler) and
+    "cpu"       -> cpu                                              the CPU lacks native bf16
+                                                  other      -> "reference"
                                                   "reference" is allowed everywhere
                                                   ("npu"/"cpu" kernels need that device)
 """
@@ -133,13 +134,13 @@ def default_block_size(device: torch.device | str) -> int:
 
 
 def resolve_kernels(name: str, device: torch.device | str) -> str:
-    """The kernel set for ``name`` on ``device``: "auto" -> "npu" on an npu device, "cpu" on a
-    cpu device where those kernels can run, else "reference". "reference" runs anywhere (on an
-    NPU too, to bisect a kernel bug)."""
+    """The kernel set for ``name`` on ``device``: "auto" -> "npu" on an npu device; on a cpu device
+    "cpu" or "reference" by what the CPU can do (``kernels/cpu_choice.py``); else "reference".
+    "reference" runs anywhere (on an NPU too, to bisect a kernel bug). Compiles nothing."""
     kind = device_type(device)
     if name == "auto":
         if kind == "cpu":
-            return "cpu" if _cpu_kernels_status()[0] else "reference"
+            return cpu_kernels_choice()[0]
         return "npu" if kind == "npu" else "reference"
     if name == "cpu":
         ok, reason = _cpu_kernels_status()
@@ -158,9 +159,45 @@ def resolve_kernels(name: str, device: torch.device | str) -> str:
     raise DeviceError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_CHOICES)}")
 
 
+def prepare_kernels(name: str, device: torch.device | str) -> str:
+    """``resolve_kernels``, then make the set ready: the cpu set is built (or loaded) now, so no
+    step ever waits for it. Where "auto" cannot have the cpu set on a CPU that would gain from it
+    (no compiler, a failed build), it warns with the reason and runs the reference set;
+    an explicit ``kernels="cpu"`` that cannot build is a ``DeviceError``."""
+    import warnings
+    chosen = resolve_kernels(name, device)
+    if device_type(device) != "cpu":
+        return chosen
+    from .kernels import build, cpu, cpu_choice  # lazy: kernels sit above device in the layering
+    if chosen == "reference":
+        if name == "auto" and cpu_choice.would_gain():
+            warnings.warn(f"kernels='auto' runs the reference set: {cpu_kernels_choice()[1]}", stacklevel=4)
+        return chosen
+    try:
+        cpu.ensure_built()
+    except build.KernelBuildError as e:
+        if name == "cpu":
+            raise DeviceError(f"kernels='cpu': {e}; use kernels='reference' (or 'auto')") from e
+        warnings.warn(f"kernels='auto' runs the reference set: {e}. It is {cpu_choice.SLOWER}; "
+                      f"`qwen-npu env` shows the error, `qwen-npu build-kernels` tries again", stacklevel=4)
+        return "reference"
+    return chosen
+
+
+def cpu_kernels_choice() -> tuple[str, str]:
+    """("cpu" | "reference", why) for kernels="auto" on this machine's CPU."""
+    from .kernels import cpu_choice
+    return cpu_choice.choose()
+
+
 def _cpu_kernels_status() -> tuple[bool, str]:
-    from .kernels import cpu                    # lazy: kernels sit above device in the layering
-    return cpu.availability()
+    from .kernels import build, cpu
+    ok, reason = cpu.availability()
+    if ok:
+        state, detail = build.build_status(cpu.extension())
+        if state == "failed":
+            return False, detail
+    return ok, reason
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -1,7 +1,9 @@
 """``qwen_npu.env_report()`` / ``qwen-npu env``: the block to paste into a bug report.
 
 Versions (Python, torch, transformers, tokenizers, torch_npu, CANN), the devices this process
-sees, and what ``Session.from_pretrained(device="auto", kernels="auto")`` would choose here.
+sees, whether the C++ CPU kernels can be built and are built (the compiler's error when their
+last build failed), whether the CPU has native bf16, and what
+``Session.from_pretrained(device="auto", kernels="auto")`` would choose here, and why.
 Versions come from package metadata, so nothing heavy is imported; torch_npu is only ever
 probed through ``qwen_npu.device`` (its guarded loader).
 """
@@ -58,7 +60,7 @@ def env_report() -> EnvReport:
     ]
     npu_ok, npu_reason = devices.npu_status()
     items.append(("npu devices", _npu_devices() if npu_ok else npu_reason))
-    items.append(("cpu kernels", _cpu_kernels()))
+    items += _cpu_kernels()
     items += _session_choice()
     env = ", ".join(f"{k}={os.environ[k]}" for k in ENV_VARS if k in os.environ)
     items.append(("environment", env or "-"))
@@ -107,10 +109,22 @@ def _npu_devices() -> str:
         return f"{npu.device_count()} visible (names unavailable: {e})"
 
 
-def _cpu_kernels() -> str:
-    from .kernels import cpu
+def _cpu_kernels() -> list[tuple[str, str]]:
+    """Can the cpu set be built here, is it built (or did its build fail, and how), and what
+    kernels="auto" picks on this CPU and why."""
+    from .kernels import build, cpu, cpu_choice
     ok, reason = cpu.availability()
-    return f"{'usable' if ok else 'not usable'}: {reason}"
+    items = [("cpu kernels", f"{'usable' if ok else 'not usable'}: {reason}")]
+    if ok:
+        state, detail = build.build_status(cpu.extension())
+        hint = {"not built": "; `qwen-npu build-kernels` builds it now (about a minute or two)",
+                "failed": "; `qwen-npu build-kernels` tries again",
+                "failed before": "; `qwen-npu build-kernels` tries again"}.get(state, "")
+        items.append(("cpu kernel build", f"{state}: {detail}{hint}"))
+    items.append(("native bf16", cpu_choice.native_bf16()[1]))
+    chosen, why = devices.cpu_kernels_choice()
+    items.append(("cpu auto choice", f"{chosen}: {why}"))
+    return items
 
 
 def _session_choice() -> list[tuple[str, str]]:

@@ -39,6 +39,7 @@ def load_session(path, *, device, dtype, max_batch, block_size, num_blocks, max_
     if device_outputs is None:
         device_outputs = os.environ.get("QWEN_NPU_DEVICE_OUTPUTS", "1").strip() != "0"
     mc = ModelConfig.from_pretrained(path)
+    kernel_name = devices.prepare_kernels(kernels, dev)      # builds the cpu set now, never in a step
     max_model_len = max_model_len or min(mc.max_position_embeddings, 8192)
     block_size = block_size or devices.default_block_size(dev)
     load_dtype = None if dtype == "auto" else dtype

@@ -1,5 +1,7 @@
 """Shared fixtures. The session-scoped checkpoints are shared by every test: treat them as
 read-only (copy a folder with ``shutil.copytree`` before changing anything in it)."""
+import os
+
 import pytest
 import torch
 
@@ -18,3 +20,44 @@ def tiny_ckpt(tmp_path_factory):
 def tiny_ckpt_small_vocab(tmp_path_factory):
     """Default tiny Qwen3 with a 512-token vocabulary, no tokenizer files, eos 511."""
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_ckpt_small_vocab"), vocab_size=512)
+
+
+# The Session-level parity and collision tests run once per CPU kernel set, whatever kernels="auto"
+# would pick on this host: modules whose names start with one of these.
+BOTH_KERNEL_SETS = ("test_hf_parity", "test_session_hf_greedy", "test_collisions_")
+
+
+def pytest_generate_tests(metafunc):
+    module = metafunc.module.__name__.rpartition(".")[2]
+    if "kernel_set" in metafunc.fixturenames and module.startswith(BOTH_KERNEL_SETS):
+        metafunc.parametrize("kernel_set", ["reference", "cpu"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def kernel_set(request, monkeypatch):
+    """In the modules named by BOTH_KERNEL_SETS, every Session made with kernels="auto" runs the set
+    named by the parameter; "cpu" is skipped with the reason where the set cannot be built, except
+    under CI=true, where that is a failure. Elsewhere this fixture does nothing."""
+    name = getattr(request, "param", None)
+    if name is None:
+        return None
+    if name == "cpu":
+        from qwen_npu.kernels import build, cpu
+        try:
+            cpu.ensure_built()
+        except build.KernelBuildError as e:
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(f"CI=true: the cpu kernel set must be tested here, but {e}")
+            pytest.skip(f"the cpu kernel set cannot run here: {e}")
+    import qwen_npu.session as session_module
+    real = session_module.load_session
+
+    def load_session(path, **kw):
+        if kw.get("kernels") != "auto":
+            return real(path, **kw)
+        model, config, tokenizer = real(path, **{**kw, "kernels": name})
+        assert config.kernels == name, f"asked for the {name} kernel set, got {config.kernels}"
+        return model, config, tokenizer
+
+    monkeypatch.setattr(session_module, "load_session", load_session)
+    return name

@@ -8,6 +8,9 @@ from qwen_npu.demo import MAX_NEW, PROMPTS
 def test_demo_tour_output_makes_sense(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
+    # every wait is announced, and the setup (a first kernel build included) is timed apart
+    assert re.search(r"making a tiny random-weight Qwen3 and loading it .*\n  ready in [\d.]+ s \(not counted below\)", out)
+    assert re.search(r"\n  kernels: (cpu|reference) \(", out)
     # every prompt became a request with its own output stream of the requested length
     for i, n in enumerate(MAX_NEW):
         m = re.search(rf"request {i} \(length, (\d+) tokens\): \[([\d, ]+)\]", out)

@@ -24,6 +24,8 @@ def test_report_lists_versions_devices_and_session_choice():
         kernels = resolve_kernels("auto", want)
         assert f"device={want}, kernels={kernels}," in r["session default"]
         assert r["cpu kernels"].startswith("usable" if kernels == "cpu" else ("usable", "not usable"))
+        if want.type == "cpu":                  # the set "auto" picks on this CPU, and why
+            assert r["cpu auto choice"].startswith(f"{kernels}: ") and "bf16" in r["native bf16"]
 
 
 def test_cann_version_is_read_from_the_toolkit_folder(tmp_path, monkeypatch):

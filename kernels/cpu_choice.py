@@ -1,0 +1,76 @@
+"""Which kernel set ``kernels="auto"`` runs on a CPU, and why, from what the CPU can do.
+
+    native bf16 (AVX512-BF16 or AMX)      -> "reference": torch's own bf16 matrix products (oneDNN)
+                                             use the bf16 dot-product instructions directly
+    AVX2 + FMA, the cpu set can be built  -> "cpu": without native bf16 torch's bf16 products take
+                                             a slow generic path; the cpu set does fp32 arithmetic
+                                             on bf16 storage, 4-12x faster there
+    otherwise                             -> "reference", with the reason the cpu set cannot run
+
+``choose()`` returns (set, reason); ``qwen-npu env`` prints both. Detection reads torch's own
+probes (``torch.cpu._is_avx512_bf16_supported``, ``torch.cpu._is_amx_tile_supported``, whether
+oneDNN bf16 is usable) and, where those are missing, the ``flags`` line of ``/proc/cpuinfo``.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+SLOWER = "4-12x slower than the cpu set on CPUs without native bf16"
+
+
+@functools.lru_cache(maxsize=1)
+def native_bf16() -> tuple[bool, str]:
+    """(does the CPU compute bf16 products natively, through torch's oneDNN path?, the evidence)."""
+    found = [flag for flag in NATIVE_BF16_FLAGS if flag in cpu_flags()]
+    for flag, probe in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx_bf16", "_is_amx_tile_supported")):
+        fn = getattr(torch.cpu, probe, None)
+        if fn is not None and flag not in found and _safe(fn):
+            found.append(flag)
+    if not found:
+        return False, "no native bf16 instructions (avx512_bf16, amx_bf16)"
+    if not (torch.backends.mkldnn.is_available() and _safe(torch.ops.mkldnn._is_mkldnn_bf16_supported)):
+        return False, f"the CPU has {', '.join(found)} but torch's oneDNN bf16 path is unavailable"
+    return True, f"native bf16 ({', '.join(found)}) through torch's oneDNN"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def choose() -> tuple[str, str]:
+    """("cpu" or "reference", why) for ``kernels="auto"`` on a cpu device."""
+    from . import build, cpu
+    native, evidence = native_bf16()
+    if native:
+        return "reference", f"{evidence}: torch's bf16 products are faster than the cpu set's fp32 arithmetic"
+    ok, reason = cpu.availability()
+    if not ok:
+        return "reference", f"the cpu set cannot be built here ({reason}); the reference set is {SLOWER}"
+    state, detail = build.build_status(cpu.extension())
+    if state == "failed":
+        return "reference", f"building the cpu set failed: {detail}; the reference set is {SLOWER}"
+    return "cpu", f"{evidence}; {reason}: the cpu set's fp32 arithmetic beats torch's generic bf16 path"
+
+
+def would_gain() -> bool:
+    """Would this CPU run the cpu set faster than the reference set (AVX2, no native bf16)?"""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and not native_bf16()[0]
+
+
+def _safe(fn) -> bool:
+    try:
+        return bool(fn())
+    except (RuntimeError, AttributeError):
+        return False
