@@ -5,7 +5,8 @@
     bf16_gflops     torch's bfloat16 product [256, 1024] x [1024, 1024], best of ``reps``
                     (sizes: the module constants)
     peer_dtype      what a user would run a torch-based peer in here: ``bfloat16`` where torch's
-                    bf16 product beats its float32 one (native bf16 instructions), else ``float32``
+                    bf16 product beats its float32 one (native bf16 instructions), else ``float32``;
+                    decided on the bf16 shape in CPU time, which a busy machine disturbs less
 
 From these, for a decode step of a model with ``weight_bytes`` of weights (read once per step) and
 ``weight_params`` matrix weights (two flops each per row):
@@ -32,14 +33,14 @@ def _sig(v: float) -> float:
     return float(f"{v:.4g}")
 
 
-def _best_seconds(fn, reps: int) -> float:
+def _best_seconds(fn, reps: int, clock=time.perf_counter) -> float:
     fn()                                                   # warm-up: page faults, thread start
     best = float("inf")
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        best = min(best, clock() - t)
+    return max(best, 1e-9)
 
 
 def read_bandwidth(nbytes: int = READ_BYTES, reps: int = REPS + 2) -> float:
@@ -49,12 +50,13 @@ def read_bandwidth(nbytes: int = READ_BYTES, reps: int = REPS + 2) -> float:
 
 
 def gemm_rate(dtype: torch.dtype = torch.float32, m: int = FP32_SHAPE[0], n: int = FP32_SHAPE[1],
-              k: int = FP32_SHAPE[2], reps: int = REPS) -> float:
-    """GFLOP/s of torch's product [m, k] x [k, n] in ``dtype``, best of ``reps``."""
+              k: int = FP32_SHAPE[2], reps: int = REPS, clock=time.perf_counter) -> float:
+    """GFLOP/s of torch's product [m, k] x [k, n] in ``dtype``, best of ``reps`` (``clock``: wall by
+    default; ``time.process_time`` gives flops per CPU second of all threads)."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=gen).to(dtype)
     b = torch.randn(k, n, generator=gen).to(dtype)
-    return 2 * m * n * k / _best_seconds(lambda: torch.mm(a, b), reps) / 1e9
+    return 2 * m * n * k / _best_seconds(lambda: torch.mm(a, b), reps, clock) / 1e9
 
 
 def measure() -> dict:
@@ -62,7 +64,7 @@ def measure() -> dict:
     fp32 = gemm_rate(torch.float32, *FP32_SHAPE)
     bf16 = gemm_rate(torch.bfloat16, *BF16_SHAPE)
     return {"read_gb_s": _sig(read_bandwidth()), "fp32_gflops": _sig(fp32), "bf16_gflops": _sig(bf16),
-            "peer_dtype": "bfloat16" if bf16 > fp32 else "float32", "threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2)}
+            "peer_dtype": user_dtype("cpu"), "threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2)}
 
 
 def model_weights(model) -> tuple[int, int]:
@@ -88,7 +90,8 @@ def user_dtype(device: str) -> str:
     """The dtype a user would run a torch-based peer in on ``device``: on a CPU the faster product."""
     if not device.startswith("cpu"):
         return "bfloat16"
-    faster = gemm_rate(torch.bfloat16, *BF16_SHAPE) > gemm_rate(torch.float32, *BF16_SHAPE)
+    rates = [gemm_rate(dtype, *BF16_SHAPE, clock=time.process_time) for dtype in (torch.bfloat16, torch.float32)]
+    faster = rates[0] > rates[1]
     return "bfloat16" if faster else "float32"
 
 

@@ -23,8 +23,11 @@ def test_measure_reports_rates_and_the_faster_dtype(monkeypatch):
     monkeypatch.setattr(bench_floors, "BF16_SHAPE", (16, 32, 32))
     f = bench_floors.measure()
     assert f["read_gb_s"] > 0 and f["fp32_gflops"] > 0 and f["bf16_gflops"] > 0
-    assert f["peer_dtype"] == ("bfloat16" if f["bf16_gflops"] > f["fp32_gflops"] else "float32")
-    assert f["threads"] == torch.get_num_threads()
+    assert f["peer_dtype"] in ("float32", "bfloat16") and f["threads"] == torch.get_num_threads()
+    rates = {torch.float32: 80.0, torch.bfloat16: 190.0}
+    monkeypatch.setattr(bench_floors, "gemm_rate", lambda dtype, *shape, **kw: rates[dtype])
+    f = bench_floors.measure()
+    assert (f["fp32_gflops"], f["bf16_gflops"], f["peer_dtype"]) == (80.0, 190.0, "bfloat16")
 
 
 def test_the_peer_dtype_follows_the_faster_product(monkeypatch):
