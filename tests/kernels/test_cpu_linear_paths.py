@@ -90,3 +90,16 @@ def test_non_contiguous_weight_view_on_either_path(monkeypatch):
 def test_native_bf16_probe_agrees_with_the_cpu_flags():
     flags = set(Path("/proc/cpuinfo").read_text().split())
     assert cpu.native_bf16() == bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, k", [(4, 16), (7, 1000), (151, 1030), (3, 40), (1, 7), (9, 2048 + 24)])
+def test_one_row_against_many_weight_rows(wdtype, n, k):
+    """The one-row layout: weight rows 4 at a time with the last n % 4 alone, k in steps of 16
+    with the remainder one by one, prefetching past the end of the weights."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    x = torch.randn(1, k, generator=gen)
+    w = (torch.randn(n, k, generator=gen) * 0.2).to(wdtype)
+    y = cpu.ops().linear(x, w, cpu.PANEL_ROWS)
+    assert y.shape == (1, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[torch.float32])
