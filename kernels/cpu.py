@@ -6,8 +6,10 @@ but does all arithmetic in fp32:
 
     function         how                                              vs reference
     linear           C++ (csrc/linear.cpp): bf16 weights widened in   fp32 accumulation instead
-                       registers; few rows (decode, LM head) stream     of bf16 products
-                       each weight row once, many rows (prefill) run
+                       registers; one row (batch-1 decode) streams      of bf16 products
+                       4 weight rows at a time, prefetched ahead; few
+                       rows (decode, LM head) stream each weight row
+                       once, many rows (prefill) run
                        a 6 x 16 register tile: x packed in 6-row
                        groups, weights in transposed 16-row panels.
                        On a CPU with native bf16 (AVX512-BF16, AMX),    bf16 products (exact in
@@ -60,7 +62,9 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 PANEL_ROWS = 16
 # From this many x rows on, a CPU with native bf16 dot products (AVX512-BF16 or AMX) runs torch's own
 # bf16 product (oneDNN: bf16 products, fp32 sums): measured 1.3-2.3x faster than csrc/linear.cpp from
-# 8 rows up; below 6 rows the C++ dot products stream the weights as fast or faster.
+# 8 rows up; below 6 rows the C++ dot products stream the weights as fast or faster. (torch's float32
+# product fed with the weights widened to fp32 on each call lost to the C++ kernel at every shape
+# measured, 1.1-2.3x, so it is not used.)
 NATIVE_ROWS = 6
 
 HALF_OR_FLOAT = (torch.bfloat16, torch.float32)
