@@ -2,7 +2,9 @@
 
     load the checkpoint ─> 4-token warm-up ─> [timed] every request of the workload, added at
     once, stepped with ``Session.step()`` until all finish ─> decode probes at batch 1 and 16
-    ─> (--compare hf) the same workload through Hugging Face ``generate``
+    ─> (on a CPU) the machine's floors: read bandwidth, torch's float32 and bf16 product rates
+    ─> (--compare hf) the same workload through Hugging Face ``generate``, in the dtype a user
+       would pick here (float32 where torch's bf16 products are slower), or in both
 
 Greedy, EOS ignored (each request produces exactly its count), ``max_batch`` 16,
 ``max_model_len`` 2048. ``seconds`` is the timed part only. As in the peer scripts, the warm-up
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import bench_floors
 from . import device as devices
 from . import workloads
 from .config import ModelConfig
@@ -131,18 +134,28 @@ def _blocks_for(work: workloads.Workload, block_size: int, max_batch: int) -> in
     return sum(longest[:max_batch]) + max_batch + 8
 
 
+PEER_DTYPES = ("auto", "float32", "bfloat16", "both")
+
+
 def run_bench(work="mixed", *, model=None, compare: str | None = None, device: str = "auto",
-              kernels: str = "auto", prefix_cache: bool = True, probes: bool = True, log=None) -> dict:
+              kernels: str = "auto", prefix_cache: bool = True, probes: bool = True, floors: bool = True,
+              peer_dtype: str = "auto", log=None) -> dict:
     """Load, warm up and time ``work`` (a workload name or a list of (prompt ids, new tokens)).
 
     Returns a flat dict: the run's figures (``seconds``, ``out_tokens``, ``out_tok_s``,
     ``total_tok_s``, prefill and decode figures, ``peak_rss_bytes``, transfers per token), the
     setup, and with ``compare="hf"`` the Hugging Face figures under ``hf`` plus ``hf_ratio``
-    (Hugging Face seconds / ours: above 1 means faster than Hugging Face).
+    (Hugging Face seconds / ours: above 1 means faster than Hugging Face). On a CPU, ``floors``
+    adds the machine's floors (``qwen_npu.bench_floors``) and the decode probes' ratios to them.
+    ``peer_dtype``: Hugging Face's dtype, ``auto`` (float32 unless torch's bf16 products are the
+    faster here), ``float32``, ``bfloat16`` or ``both`` (then ``hf`` is the ``auto`` one and
+    ``hf_by_dtype`` holds both).
     """
     from .session import Session
     if compare not in (None, "hf"):
         raise InvalidRequestError(f"compare={compare!r}: the only comparison built in is 'hf'")
+    if peer_dtype not in PEER_DTYPES:
+        raise InvalidRequestError(f"peer_dtype={peer_dtype!r}: choose one of {', '.join(PEER_DTYPES)}")
     name = work if isinstance(work, str) else "custom"
     if isinstance(work, str):
         work = workloads.get_workload(work)
@@ -183,14 +196,26 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
                   prefix_cache=cfg.prefix_cache, threads=torch.get_num_threads(), requests=len(work))
     if sess.model.device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(sess.model.device)
+    if floors and sess.model.device.type == "cpu":
+        if log:
+            log("measuring the machine's floors (read bandwidth, float32 and bf16 product rates)")
+        result.update(bench_floors.for_run(sess.model, result))
     device_used = cfg.device
     sess.close()
     if compare == "hf":
         from .bench_hf import run_hf_generate
-        if log:
-            log("running the same workload through Hugging Face generate")
-        result["hf"] = run_hf_generate(path, work, device=device_used, workload=name)
+        auto = result["floors"]["peer_dtype"] if "floors" in result else bench_floors.user_dtype(device_used)
+        dtypes = [auto] + ([{"float32": "bfloat16"}.get(auto, "float32")] if peer_dtype == "both" else [])
+        dtypes = dtypes if peer_dtype in ("auto", "both") else [peer_dtype]
+        runs = {}
+        for dtype in dtypes:
+            if log:
+                log(f"running the same workload through Hugging Face generate in {dtype}")
+            runs[dtype] = run_hf_generate(path, work, device=device_used, workload=name, dtype=dtype)
+        result["hf"] = runs[dtypes[0]]
         result["hf_ratio"] = round(result["hf"]["seconds"] / result["seconds"], 2)
+        if len(runs) > 1:
+            result["hf_by_dtype"] = runs
     return result
 
 
@@ -225,12 +250,21 @@ def format_text(r: dict) -> str:
         mem += f", peak device {_gib(r['peak_device_bytes'])}"
     lines += [mem, f"  transfers  {r['d2h_bytes_per_token']:.1f} B device-to-host per generated token "
                    f"({r['h2d_bytes_per_token']:.1f} B host-to-device)"]
+    if "floors" in r:
+        f = r["floors"]
+        lines.append(f"  floors     read {f['read_gb_s']:.1f} GB/s, float32 product {f['fp32_gflops']:.0f} GFLOP/s, "
+                     f"bf16 product {f['bf16_gflops']:.0f} GFLOP/s (load {f['load']:.1f})")
+        if "decode_b1_vs_floor" in r:
+            lines.append(f"  vs floors  decode batch 1 {r['decode_b1_vs_floor']:.2f}x the read floor "
+                         f"({f['b1_read_ms']:.1f} ms), batch 16 {r['decode_b16_vs_floor']:.2f}x the float32 "
+                         f"compute floor ({f['b16_compute_ms']:.1f} ms)")
     if "hf" in r:
         hf = r["hf"]
-        ratio = r["hf_ratio"]
-        verdict = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
-        lines.append(f"  vs hf      generate (groups of 16, left padding, static cache): {hf['seconds']:.2f} s, "
-                     f"{hf['out_tok_s']:.1f} output tok/s -> qwen-npu is {verdict}")
+        for dtype, run in r.get("hf_by_dtype", {hf.get("dtype", "?"): hf}).items():
+            ratio = run["seconds"] / r["seconds"]
+            verdict = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+            lines.append(f"  vs hf      generate in {dtype} (groups of 16, left padding, static cache): "
+                         f"{run['seconds']:.2f} s, {run['out_tok_s']:.1f} output tok/s -> qwen-npu is {verdict}")
     return "\n".join(lines)
 
 
@@ -242,6 +276,10 @@ def add_bench_parser(subparsers) -> None:
                    help="shared workload (default: mixed, or custom when lengths are given)")
     p.add_argument("--model", help=f"checkpoint folder (default: {default_model_dir()}, made on first use)")
     p.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same work")
+    p.add_argument("--peer-dtype", choices=PEER_DTYPES, default="auto",
+                   help="Hugging Face's dtype: auto (float32 unless torch's bf16 products are the faster "
+                        "here), float32, bfloat16 or both (default auto)")
+    p.add_argument("--no-floors", action="store_true", help="skip measuring the machine's floors (CPU only)")
     p.add_argument("--json", action="store_true", help="print one compact JSON line instead of text")
     p.add_argument("--prompt-len", type=int, help="custom workload: tokens per prompt")
     p.add_argument("--output-len", type=int, help="custom workload: new tokens per request")
@@ -271,7 +309,8 @@ def bench_command(args) -> int:
         print(msg, file=sys.stderr, flush=True)
     try:
         result = run_bench(work, model=args.model, compare=args.compare, device=args.device, kernels=args.kernels,
-                           prefix_cache=not args.no_prefix_cache, probes=not args.no_probes, log=log)
+                           prefix_cache=not args.no_prefix_cache, probes=not args.no_probes,
+                           floors=not args.no_floors, peer_dtype=args.peer_dtype, log=log)
     except InvalidRequestError as e:
         raise SystemExit(f"qwen-npu bench: {e}") from None
     print(json.dumps(result, separators=(",", ":")) if args.json else format_text(result), flush=True)

@@ -15,12 +15,14 @@ GROUP = 16
 
 
 def run_hf_generate(path: str | Path, work: list[tuple[list[int], int]], *, device: str = "cpu",
-                    workload: str = "custom") -> dict:
-    """Time ``work`` through transformers ``generate`` after a 4-token warm-up; one flat dict."""
+                    workload: str = "custom", dtype: str = "auto") -> dict:
+    """Time ``work`` through transformers ``generate`` after a 4-token warm-up; one flat dict.
+    ``dtype``: ``auto`` (the checkpoint's), ``float32`` or ``bfloat16``."""
     from transformers import AutoModelForCausalLM
     dev = torch.device(device)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto").to(dev).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype if dtype == "auto" else getattr(torch, dtype)).to(dev).eval()
     load_s = time.perf_counter() - t0
     n_in = sum(len(p) for p, _ in work)
     n_out = sum(n for _, n in work)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from render_floors import dtype_table, floors_lines, hf_by_dtype, user_dtype, vllm_by_dtype
+
 def _f(v, fmt="{:.1f}", none="–"):
     return none if v is None else fmt.format(v)
 
@@ -15,13 +17,15 @@ def _ratio(peer, ours):
 
 
 def workload_table(res: dict) -> list[str]:
-    ours, vllm = res.get("workloads", {}), res.get("vllm", {})
-    lines = ["| workload | qwen-npu | vLLM CPU 0.32 | Hugging Face generate | qwen-npu vs vLLM | qwen-npu vs HF |",
-             "|---|---|---|---|---|---|"]
+    """The headline: the peers in the dtype a user would pick on this machine."""
+    dtype = user_dtype(res) or "bfloat16"
+    ours, vllm = res.get("workloads", {}), vllm_by_dtype(res).get(dtype, {})
+    lines = [f"| workload | qwen-npu | vLLM CPU 0.32, {dtype} | Hugging Face generate, {dtype} | qwen-npu vs vLLM "
+             "| qwen-npu vs HF |", "|---|---|---|---|---|---|"]
     for w, what in (("mixed", "32 requests, prompts 64–512, outputs 32–128"),
                     ("seed", "16 identical 512-token prompts, 64 outputs each")):
         o, v = ours.get(w), vllm.get(w)
-        hf = o.get("hf") if o else None
+        hf = hf_by_dtype(o).get(dtype)
 
         def cell(r):
             return f"{r['seconds']:.1f} s ({r['out_tok_s']:.1f} out tok/s)" if r else "not run"
@@ -138,7 +142,9 @@ def render(res: dict, md: Path, png: Path) -> None:
         "- **Timing**: wall clock of the workload only, after loading and a 4-token warm-up; all requests",
         "  are added at once and `Session.step()` runs until they finish. One run per figure, every engine",
         "  on the same machine in one sitting, each in its own process.",
-        "- **Peers**: the vLLM CPU build 0.32 (`bench_vllm.py`: `LLM.generate`, `max_num_seqs` 16, its",
+        "- **Peers** in the dtype a user would pick on the machine (float32 unless torch's bf16 product is",
+        "  faster than its float32 one, i.e. native bf16 instructions; the other dtype listed beside it):",
+        "  the vLLM CPU build 0.32 (`bench_vllm.py`: `LLM.generate`, `max_num_seqs` 16, its",
         "  prefix cache on, 4 GiB KV space, OpenMP bound to all cores) and Hugging Face `generate` (groups of 16",
         "  in workload order, left padding, static cache), run by `qwen-npu bench --compare hf` in the same",
         "  process right after ours.",
@@ -154,13 +160,20 @@ def render(res: dict, md: Path, png: Path) -> None:
         "",
         *workload_table(res),
         "",
-        "Ratios are the peer's seconds over ours (above 1: qwen-npu is faster). qwen-npu's figures in detail:",
+        (f"The peers run in {user_dtype(res)}, the dtype a user would pick here (see the floors below). Ratios"
+         if user_dtype(res) else "The peers ran in bfloat16 (these results predate the floors). Ratios"),
+        "are the peer's seconds over ours (above 1: qwen-npu is faster). Every peer run, by dtype:",
+        "",
+        *dtype_table(res),
+        "",
+        "qwen-npu's figures in detail:",
         "",
         *detail_table(res),
         "",
+        *floors_lines(res),
     ]
     wb = sc.get("weight_bytes")
-    if b1 and bw and wb:
+    if b1 and bw and wb and not res.get("floors"):
         floor = wb / (bw * 1e9) * 1e3
         lines += [f"**Batch-1 decode against the memory floor.** Reading memory ran at {bw:.1f} GB/s here "
                   f"(one pass over 1 GiB, best of four), so a step that reads all {wb / 1e9:.2f} GB of weights "
@@ -219,8 +232,9 @@ def render(res: dict, md: Path, png: Path) -> None:
     lines += ["## What makes qwen-npu fast here", "",
               "- The LM head runs only for the rows that sample; q/k/v and gate/up are one matrix each.",
               "- `kernels=\"cpu\"`: bf16 weights are widened to fp32 in registers. Decode streams each",
-              "  weight row once; prefill packs x in 6-row groups and weights in transposed 16-row panels",
-              "  for a 6 x 16 register tile, prefetching the next weights.",
+              "  weight row once (batch 1: four rows at a time, prefetched ahead); prefill packs x in",
+              "  6-row groups and weights in transposed 16-row panels for a 6 x 16 register tile. On a",
+              "  CPU with native bf16 (AVX512-BF16, AMX), 6 rows and more go to torch's bf16 product.",
               "- Decode attention takes all KV heads of a token in one work item, so each position's K/V",
               "  (adjacent in the cache) stream through memory in order; positions are found through",
               "  offsets worked out once per item from the block table.",

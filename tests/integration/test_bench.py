@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from qwen_npu import workloads
+from qwen_npu import bench_floors, workloads
+from qwen_npu.bench import run_bench
 from qwen_npu.cli import main
+from qwen_npu.errors import InvalidRequestError
 
 SHARED_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "peers" / "workloads.py"
 RUN = ["--prompt-len", "8", "--output-len", "3", "--num-requests", "3"]
@@ -39,7 +41,16 @@ def run_cli(capsys, *args) -> str:
     return capsys.readouterr().out
 
 
-def test_json_report_has_the_figures_and_the_hf_comparison(tiny_ckpt, capsys):
+@pytest.fixture
+def small_floors(monkeypatch):
+    """The floors measured on small buffers, so that a test run stays quick."""
+    monkeypatch.setattr(bench_floors, "READ_BYTES", 1 << 22)
+    monkeypatch.setattr(bench_floors, "FP32_SHAPE", (64, 128, 128))
+    monkeypatch.setattr(bench_floors, "BF16_SHAPE", (64, 128, 128))
+    monkeypatch.setattr(bench_floors, "REPS", 1)
+
+
+def test_json_report_has_the_figures_and_the_hf_comparison(tiny_ckpt, capsys, small_floors):
     out = run_cli(capsys, "--model", str(tiny_ckpt), *RUN, "--json", "--compare", "hf")
     lines = out.strip().splitlines()
     assert len(lines) == 1                                               # one compact line, nothing else
@@ -56,15 +67,37 @@ def test_json_report_has_the_figures_and_the_hf_comparison(tiny_ckpt, capsys):
     hf = r["hf"]
     assert hf["engine"] == "hf-generate" and hf["out_tokens"] == 9 and hf["seconds"] > 0
     assert r["hf_ratio"] == pytest.approx(hf["seconds"] / r["seconds"], rel=0.02)
+    f = r["floors"]
+    assert f["read_gb_s"] > 0 and f["fp32_gflops"] > 0 and f["bf16_gflops"] > 0
+    assert f["peer_dtype"] in ("float32", "bfloat16")
+    assert hf["dtype"] == f["peer_dtype"]                                # the peer in the user's dtype
+    assert f["b1_read_ms"] == pytest.approx(f["weight_bytes"] / f["read_gb_s"] / 1e6, rel=0.02)
+    assert f["b16_compute_ms"] == pytest.approx(32 * f["weight_params"] / f["fp32_gflops"] / 1e6, rel=0.02)
+    assert r["decode_b1_vs_floor"] == pytest.approx(r["decode_ms_b1"] / f["b1_read_ms"], rel=0.02)
+    assert r["decode_b16_vs_floor"] == pytest.approx(r["decode_ms_b16"] / f["b16_compute_ms"], rel=0.02)
 
+
+def test_the_peer_runs_in_both_dtypes_labelled(tiny_ckpt, capsys, small_floors):
+    out = run_cli(capsys, "--model", str(tiny_ckpt), *RUN, "--no-probes", "--compare", "hf", "--peer-dtype", "both")
+    runs = [line for line in out.splitlines() if line.startswith("  vs hf")]
+    assert len(runs) == 2 and "in float32" in out and "in bfloat16" in out
+    assert "  floors     read" in out and "vs floors" not in out                 # no probes, no ratios
+    r = run_bench([([300] * 8, 2)], model=tiny_ckpt, compare="hf", peer_dtype="float32", probes=False,
+                  floors=False)
+    assert r["hf"]["dtype"] == "float32" and "floors" not in r and "hf_by_dtype" not in r
+
+
+def test_an_unknown_peer_dtype_is_refused_before_anything_runs(tiny_ckpt):
+    with pytest.raises(InvalidRequestError, match="peer_dtype='float16'"):
+        run_bench([([300] * 8, 2)], model=tiny_ckpt, compare="hf", peer_dtype="float16")
 
 def test_text_report_names_every_figure(tiny_ckpt, capsys):
-    out = run_cli(capsys, "--model", str(tiny_ckpt), *RUN, "--no-probes", "--kernels", "reference")
+    out = run_cli(capsys, "--model", str(tiny_ckpt), *RUN, "--no-probes", "--no-floors", "--kernels", "reference")
     assert out.startswith("qwen-npu bench: workload custom (3 requests, 24 prompt + 9 output tokens)")
     for words in ("kernels reference", "output tok/s", "total tok/s", "prefill    24 tokens computed",
                   "decode     2 steps", "peak resident", "B device-to-host per generated token"):
         assert words in out, words
-    assert "vs hf" not in out and "per step at context" not in out
+    assert "vs hf" not in out and "per step at context" not in out and "floors" not in out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,0 +1,105 @@
+"""Which product the cpu set's ``linear`` runs, and that each is right at awkward shapes.
+
+On a CPU with native bf16 dot products, bf16 x with ``cpu.NATIVE_ROWS`` rows or more goes to
+torch's bf16 product; everything else to the C++ kernel. Both choices are forced here through
+``cpu.native_bf16`` so that both run on any machine (torch's bf16 product is only slow, not wrong,
+without native bf16). Tolerances as in test_cpu.py, against float64 from the same rounded inputs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_reference import TOL
+
+from qwen_npu.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"cpu kernels: {cpu.availability()[1]}")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the calls that reach the compiled extension's linear."""
+    calls = []
+    real = cpu.ops()
+
+    class Spy:
+        def linear(self, *args):
+            calls.append(args[0].shape)
+            return real.linear(*args)
+    monkeypatch.setattr(cpu, "ops", lambda: Spy())
+    return calls
+
+
+def _case(rows, n, k, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed + rows * 1000 + n * 10 + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.2).bfloat16()
+    return x, w
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "no-native-bf16"])
+@pytest.mark.parametrize("rows", [1, cpu.NATIVE_ROWS - 1, cpu.NATIVE_ROWS, cpu.NATIVE_ROWS + 1, 16, 33])
+@pytest.mark.parametrize("n, k", [(37, 264), (2, 13), (151, 1000), (17, 8)])
+def test_linear_path_by_rows_and_machine(monkeypatch, kernel_calls, native, rows, n, k):
+    monkeypatch.setattr(cpu, "native_bf16", lambda: native)
+    x, w = _case(rows, n, k)
+    y = cpu.linear(x, w)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[torch.bfloat16])
+    to_torch = native and rows >= cpu.NATIVE_ROWS
+    assert len(kernel_calls) == (0 if to_torch else 1)
+    if to_torch:
+        assert torch.equal(y, F.linear(x, w))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_linear_counts_rows_across_leading_dims(monkeypatch, kernel_calls, native):
+    """[2, 3, K] is 6 rows: the choice goes by rows, not by the first dimension."""
+    monkeypatch.setattr(cpu, "native_bf16", lambda: native)
+    x, w = _case(2 * cpu.NATIVE_ROWS, 50, 96, seed=3)
+    x = x.view(2, cpu.NATIVE_ROWS, 96)
+    y = cpu.linear(x, w)
+    assert y.shape == (2, cpu.NATIVE_ROWS, 50)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[torch.bfloat16])
+    assert len(kernel_calls) == (0 if native else 1)
+
+
+def test_float32_x_with_bf16_weights_stays_on_the_kernel(monkeypatch, kernel_calls):
+    """Only bf16 x may take torch's bf16 product: fp32 x would be rounded on the way."""
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)
+    x, w = _case(40, 24, 72, dtype=torch.float32, seed=4)
+    y = cpu.linear(x, w)
+    assert y.dtype == torch.float32 and len(kernel_calls) == 1
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[torch.float32])
+
+
+def test_non_contiguous_weight_view_on_either_path(monkeypatch):
+    fused = (torch.randn(40, 48, generator=torch.Generator().manual_seed(7)) * 0.2).bfloat16()
+    view = fused[:, 8:40]                                 # not contiguous
+    x = torch.randn(19, 32, generator=torch.Generator().manual_seed(8)).bfloat16()
+    for native in (True, False):
+        monkeypatch.setattr(cpu, "native_bf16", lambda: native)
+        torch.testing.assert_close(cpu.linear(x, view).double(), x.double() @ view.double().T,
+                                   **TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="needs /proc/cpuinfo to know the answer")
+def test_native_bf16_probe_agrees_with_the_cpu_flags():
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    assert cpu.native_bf16() == bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, k", [(4, 16), (7, 1000), (151, 1030), (3, 40), (1, 7), (9, 2048 + 24)])
+def test_one_row_against_many_weight_rows(wdtype, n, k):
+    """The one-row layout: weight rows 4 at a time with the last n % 4 alone, k in steps of 16
+    with the remainder one by one, prefetching past the end of the weights."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    x = torch.randn(1, k, generator=gen)
+    w = (torch.randn(n, k, generator=gen) * 0.2).to(wdtype)
+    y = cpu.ops().linear(x, w, cpu.PANEL_ROWS)
+    assert y.shape == (1, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[torch.float32])
