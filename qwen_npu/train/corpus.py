@@ -13,8 +13,9 @@ becomes one paragraph of plain modern English::
     breathe means draw air into, and expel out of, the lungs. I can breathe better when the air is
     clean. The patient is respiring.
 
-117,659 paragraphs, about 9 MB of text. A synset goes to the held-out split when a hash of its
-offset and part of speech says so, so the split never depends on file order or on the seed.
+117,659 paragraphs, 10.9 MB of text (about 3.6M tokens of the 4096-token vocabulary). A synset
+goes to the held-out split when a hash of its offset and part of speech says so, so the split
+never depends on file order or on the seed.
 """
 from __future__ import annotations
 

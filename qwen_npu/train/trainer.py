@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from . import data, evaluate
+from .card import wordnet_licence, write_model_card
 from .corpus import load_corpus
 from .model import TinyShape, build_model, config_dict, num_parameters, save_checkpoint
 from .tokenizer import EOS_TOKEN, PAD_TOKEN, qwen3_chat_template, save_tokenizer, train_tokenizer
@@ -116,6 +117,7 @@ def train_tiny(wordnet_dir: str | Path, out_dir: str | Path, cfg: TrainConfig = 
         "torch": torch.__version__,
     }
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_model_card(out, report, wordnet_licence(corpus.source))
     log(f"held-out loss {val:.3f} (perplexity {math.exp(val):.1f}); untrained {untrained:.3f}, "
         f"unigram {unigram:.3f}; {train_seconds:.0f} s of training; wrote {out}")
     return report

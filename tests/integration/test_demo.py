@@ -1,4 +1,4 @@
-"""`qwen-npu demo` runs and tells a coherent story."""
+"""`qwen-npu demo` runs, tells a coherent story, and the shipped model writes English."""
 import re
 
 from qwen_npu.cli import main
@@ -24,4 +24,11 @@ def test_demo_tour_output_makes_sense(capsys):
     assert m
     active = int(m.group(1))
     assert len(m.group(2).split(",")) == active == len(m.group(3).split(","))
+    # the shipped trained model continues every prompt with English words
+    texts = [m[1] for m in re.findall(r""" -> (['"])(.*)\1$""", out, re.M)]
+    assert len(texts) == len(PROMPTS)
+    for text, n in zip(texts, MAX_NEW):
+        words = re.findall(r"[A-Za-z]+", text)
+        assert len(words) >= n // 3 and sum(map(len, words)) >= len(text) // 2, text
+    assert "trained on WordNet" in out
     assert re.search(r"tokens generated in [\d.]+ s; decode: \d+ steps, [\d.]+ tokens/s", out)

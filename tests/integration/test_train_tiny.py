@@ -32,6 +32,8 @@ def test_train_tiny_writes_a_checkpoint_both_loaders_read(tmp_path):
     assert report["parameters"] == sum(p.numel() for p in _hf(out).parameters())
     assert set(report["held_out_loss"]) == {"trained", "untrained", "unigram"}
     assert any(line.startswith("step     3") for line in logs)
+    card = (out / "README.md").read_text()
+    assert "Princeton University" in card and f"{report['held_out_loss']['trained']:.3f}" in card
 
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["vocab_size"] == 320 and cfg["tie_word_embeddings"] is True

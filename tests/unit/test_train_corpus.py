@@ -93,3 +93,15 @@ def test_learning_rate_warms_up_then_decays():
     assert all(a <= b for a, b in zip(lrs[:100], lrs[1:100]))
     assert all(a >= b for a, b in zip(lrs[100:], lrs[101:]))
     assert lrs[-1] == pytest.approx(1e-4, rel=1e-2)
+
+
+def test_model_card_keeps_the_wordnet_licence(tmp_path):
+    from qwen_npu.train.card import SHORT_NOTICE, wordnet_licence
+    root = write_wordnet(tmp_path)
+    assert wordnet_licence(root / corpus.DATA_SUBDIR) == SHORT_NOTICE
+    copyright_file = root / "usr/share/doc/wordnet-base/copyright"
+    copyright_file.parent.mkdir(parents=True)
+    copyright_file.write_text("Format: x\n\nFiles: *\nCopyright: 2006 Princeton University\nLicense: WordNet3.0\n"
+                              " Permission to use.\n .\n No warranty.\n\nFiles: debian/*\nLicense: GPL-2+\n")
+    assert wordnet_licence(root / corpus.DATA_SUBDIR) == (
+        "Copyright: 2006 Princeton University\nLicense: WordNet3.0\nPermission to use.\n\nNo warranty.")
