@@ -34,7 +34,7 @@ def run_demo(out=print, model_dir: str | Path | None = None) -> Session:
     out(f"  {sess!r}\n")
     reqs = []
     for prompt, n in zip(PROMPTS, MAX_NEW):
-        r = sess.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        r = sess.add_request(prompt, SamplingParams(max_new_tokens=n))      # greedy, ends at eos
         reqs.append(r)
         out(f"request {r.id}: {len(r.prompt_token_ids)} prompt tokens, up to {n} new  <- {prompt[:48]!r}")
     out(f"\n1. Chunked prefill: at most chunk_size={sess.config.chunk_size} prompt tokens per step, "

@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--repeat-rows", type=int, default=d.repeat_rows,
+                   help="rows per batch that repeat their first half (teaches induction heads)")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--bf16-autocast", action="store_true", help="bf16 matmuls, fp32 weights")
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = TinyShape(vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_hidden_layers=a.layers,
                       intermediate_size=a.intermediate_size,
                       head_dim=a.hidden_size // TinyShape.num_attention_heads)
-    cfg = TrainConfig(seed=a.seed, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr,
+    cfg = TrainConfig(seed=a.seed, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
+                      repeat_rows=a.repeat_rows, lr=a.lr,
                       threads=a.threads, bf16_autocast=a.bf16_autocast, shape=shape)
     fetch_wordnet(a.wordnet)
     train_tiny(a.wordnet, a.out, cfg, log=lambda s: print(s, flush=True))

@@ -46,19 +46,36 @@ def token_stream(tok, paragraphs: list[str], separator_id: int) -> torch.Tensor:
 
 
 class Batches:
-    """Random windows of ``seq_len + 1`` tokens from ``stream``, drawn by one seeded generator."""
+    """Random windows of ``seq_len + 1`` tokens from ``stream``, drawn by one seeded generator.
 
-    def __init__(self, stream: torch.Tensor, *, batch_size: int, seq_len: int, seed: int):
+    The first ``repeat_rows`` rows of every batch are *repeated* windows: half a window of text,
+    then the same half again (``w w``), so the second half is predictable only by looking back
+    at what followed each token the first time. That is the job of an induction head, and these
+    rows make one form within a CPU-sized training run.
+    """
+
+    def __init__(self, stream: torch.Tensor, *, batch_size: int, seq_len: int, seed: int,
+                 repeat_rows: int = 0):
         if stream.numel() <= seq_len + 1:
             raise ValueError(f"token stream of {stream.numel()} ids is too short for seq_len={seq_len}")
+        if not 0 <= repeat_rows <= batch_size:
+            raise ValueError(f"repeat_rows={repeat_rows}: choose 0..batch_size ({batch_size})")
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
+        self.repeat_rows = repeat_rows
         self.gen = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``, each ``[batch_size, seq_len]``; targets are inputs shifted by one."""
         starts = torch.randint(0, self.stream.numel() - self.seq_len - 1, (self.batch_size,),
                                generator=self.gen)
-        rows = torch.stack([self.stream[s:s + self.seq_len + 1] for s in starts.tolist()])
+        half = (self.seq_len + 1) // 2
+        rows = []
+        for i, s in enumerate(starts.tolist()):
+            window = self.stream[s:s + self.seq_len + 1]
+            if i < self.repeat_rows:
+                window = torch.cat([window[:half], window[:half], window[half:]])[:self.seq_len + 1]
+            rows.append(window)
+        rows = torch.stack(rows)
         return rows[:, :-1], rows[:, 1:]
 
 

@@ -27,6 +27,7 @@ class TrainConfig:
     seed: int = 0
     steps: int = 2000
     batch_size: int = 8
+    repeat_rows: int = 2          # rows per batch that repeat their first half (see data.Batches)
     seq_len: int = 128
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -75,7 +76,8 @@ def train_tiny(wordnet_dir: str | Path, out_dir: str | Path, cfg: TrainConfig = 
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    batches = data.Batches(train_stream, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    batches = data.Batches(train_stream, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+                           repeat_rows=cfg.repeat_rows)
     model.train()
     t_train = time.perf_counter()
     running = None

@@ -8,11 +8,12 @@ from qwen_npu.demo import MAX_NEW, PROMPTS
 def test_demo_tour_output_makes_sense(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
-    # every prompt became a request with its own output stream of the requested length
+    # every prompt became a request with its own output stream, ended by eos or by its length
     for i, n in enumerate(MAX_NEW):
-        m = re.search(rf"request {i} \(length, (\d+) tokens\): \[([\d, ]+)\]", out)
+        m = re.search(rf"request {i} \((stop|length), (\d+) tokens\): \[([\d, ]+)\]", out)
         assert m, f"no output stream for request {i}"
-        assert int(m.group(1)) == n and len(m.group(2).split(",")) == n
+        k = int(m.group(2))
+        assert len(m.group(3).split(",")) == k and (k == n if m.group(1) == "length" else 1 <= k <= n)
     assert len(PROMPTS) == len(MAX_NEW)
     # the prompt longer than chunk_size was prefilled over several steps
     prefill_steps = re.findall(r"step \d+: rows \[[\d, ]+\] compute \[([\d, ]+)\] tokens", out)
@@ -27,8 +28,8 @@ def test_demo_tour_output_makes_sense(capsys):
     # the shipped trained model continues every prompt with English words
     texts = [m[1] for m in re.findall(r""" -> (['"])(.*)\1$""", out, re.M)]
     assert len(texts) == len(PROMPTS)
-    for text, n in zip(texts, MAX_NEW):
+    for text in texts:
         words = re.findall(r"[A-Za-z]+", text)
-        assert len(words) >= n // 3 and sum(map(len, words)) >= len(text) // 2, text
+        assert len(words) >= 3 and sum(map(len, words)) >= len(text) // 2, text
     assert "trained on WordNet" in out
     assert re.search(r"tokens generated in [\d.]+ s; decode: \d+ steps, [\d.]+ tokens/s", out)

@@ -105,3 +105,15 @@ def test_model_card_keeps_the_wordnet_licence(tmp_path):
                               " Permission to use.\n .\n No warranty.\n\nFiles: debian/*\nLicense: GPL-2+\n")
     assert wordnet_licence(root / corpus.DATA_SUBDIR) == (
         "Copyright: 2006 Princeton University\nLicense: WordNet3.0\nPermission to use.\n\nNo warranty.")
+
+
+def test_repeat_rows_repeat_the_first_half():
+    stream = torch.arange(5000)
+    x, y = data.Batches(stream, batch_size=4, seq_len=16, seed=2, repeat_rows=2).next()
+    for row in x[:2]:
+        assert torch.equal(row[:8], row[8:16])                  # w w
+    for row in x[2:]:
+        assert torch.equal(row[1:] - row[:-1], torch.ones(15, dtype=row.dtype))   # plain windows
+    assert torch.equal(y[0, :-1], x[0, 1:]) and y[0, -1] == x[0, 7] + 1
+    with pytest.raises(ValueError, match="repeat_rows"):
+        data.Batches(stream, batch_size=2, seq_len=16, seed=0, repeat_rows=3)
