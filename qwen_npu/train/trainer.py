@@ -27,7 +27,7 @@ class TrainConfig:
     seed: int = 0
     steps: int = 2000
     batch_size: int = 8
-    repeat_rows: int = 2          # rows per batch that repeat their first half (see data.Batches)
+    repeat_rows: int = 0          # rows per batch that repeat their first half (see data.Batches)
     seq_len: int = 128
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
