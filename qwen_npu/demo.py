@@ -15,12 +15,12 @@ from .session import Session
 from .testing import tiny_trained_qwen3
 
 PROMPTS = [
-    "Paged attention stores the KV cache in fixed-size blocks.",
-    "Hello!",
-    "A block table maps each request's positions to physical blocks, and the slot mapping tells "
-    "every new token where to write its key and value.",
+    "music means",
+    "a river in",
+    "the capital of the state, a large city on the shore of a lake with a busy port and an old "
+    "university, is a large city in the north of",
 ]
-MAX_NEW = (12, 4, 8)
+MAX_NEW = (16, 8, 12)
 
 
 def run_demo(out=print, model_dir: str | Path | None = None) -> Session:
