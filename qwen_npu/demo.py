@@ -17,8 +17,8 @@ from .testing import tiny_trained_qwen3
 PROMPTS = [
     "music means",
     "a river in",
-    "the capital of the state, a large city on the shore of a lake with a busy port and an old "
-    "university, is a large city in the north of",
+    ("the capital of the state, a large city on the shore of a lake with a busy port and an old "
+     "university, is a large city in the north of"),
 ]
 MAX_NEW = (16, 8, 12)
 

@@ -20,7 +20,7 @@ def wordnet_licence(data_dir: str | Path) -> str:
         return SHORT_NOTICE
     text = found[0].read_text()
     stanza = text.split("Files: *", 1)[1].split("\nFiles:", 1)[0]
-    lines = [line[1:] if line.startswith(" ") else line for line in stanza.splitlines()]
+    lines = [line.removeprefix(" ") for line in stanza.splitlines()]
     return "\n".join("" if line == "." else line for line in lines).strip()
 
 

@@ -21,12 +21,12 @@ def test_demo_tour_output_makes_sense(capsys):
     assert all(sum(map(int, s.split(","))) <= 16 for s in prefill_steps)
     # a partial decode batch is shown with exactly as many slots as active rows
     m = re.search(r"partial batch: (\d+) of 3 requests.*?\n.*?request_ids +\[([\d, ]+)\].*?slot_mapping \[([\d, ]+)\]",
-                  out, re.S)
+                  out, re.DOTALL)
     assert m
     active = int(m.group(1))
     assert len(m.group(2).split(",")) == active == len(m.group(3).split(","))
     # the shipped trained model continues every prompt with English words
-    texts = [m[1] for m in re.findall(r""" -> (['"])(.*)\1$""", out, re.M)]
+    texts = [m[1] for m in re.findall(r""" -> (['"])(.*)\1$""", out, re.MULTILINE)]
     assert len(texts) == len(PROMPTS)
     for text in texts:
         words = re.findall(r"[A-Za-z]+", text)

@@ -3,10 +3,10 @@ import json
 
 import pytest
 import torch
+from test_hf_parity import DECODE_POSITIONS, PROMPT_LENS, TOL, dense_logits, paged_logits, sequences
 
 from qwen_npu import SamplingParams, Session
 from qwen_npu.testing import tiny_trained_qwen3
-from test_hf_parity import DECODE_POSITIONS, PROMPT_LENS, TOL, dense_logits, paged_logits, sequences
 
 INDUCTION_LEN = 24           # random tokens, then the same tokens again
 

@@ -11,7 +11,7 @@ from qwen_npu.train.tokenizer import SPECIAL_TOKENS
 from qwen_npu.train.trainer import TrainConfig, train_tiny
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from test_train_corpus import write_wordnet  # noqa: E402
+from test_train_corpus import write_wordnet
 
 SHAPE = TinyShape(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128)

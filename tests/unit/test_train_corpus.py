@@ -1,4 +1,6 @@
 """The training data path: WordNet lines to paragraphs, the held-out split, chat samples, batches."""
+import itertools
+
 import pytest
 import torch
 
@@ -90,8 +92,8 @@ def test_learning_rate_warms_up_then_decays():
     lrs = [learning_rate(cfg, s) for s in range(cfg.steps)]
     assert lrs[0] == pytest.approx(1e-5)
     assert max(lrs) == pytest.approx(1e-3)
-    assert all(a <= b for a, b in zip(lrs[:100], lrs[1:100]))
-    assert all(a >= b for a, b in zip(lrs[100:], lrs[101:]))
+    assert all(a <= b for a, b in itertools.pairwise(lrs[:100]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[100:]))
     assert lrs[-1] == pytest.approx(1e-4, rel=1e-2)
 
 
