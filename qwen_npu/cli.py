@@ -8,7 +8,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qwen-npu", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="a guided tour on a small random-weight Qwen3 it makes itself")
+    demo = sub.add_parser("demo", help="a guided tour on the small trained Qwen3 that ships with the package")
     demo.add_argument("--model", help="a Qwen3 checkpoint folder instead of the built-in one")
     demo.set_defaults(handler=_demo)
     for module, adder in (("bench", "add_bench_parser"), ("dump", "add_inspect_parser"),

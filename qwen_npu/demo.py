@@ -1,46 +1,44 @@
-"""`qwen-npu demo`: a guided tour of one session on a small random-weight Qwen3 it makes itself.
+"""`qwen-npu demo`: a guided tour of one session on the small trained Qwen3 shipped with the package.
 
-The checkpoint has the real Qwen3 tokenizer but random weights, so the text it writes is
-nonsense; everything else — chunked prefill, block tables, slot mappings, a partial decode
-batch dispatched as a runtime batch — is exactly what a real checkpoint goes through.
+The model (``qwen_npu.testing.tiny_trained_qwen3``, 2.4M parameters trained on WordNet's English)
+continues English prompts with short English phrases; chunked prefill, block tables, slot
+mappings and a partial decode batch dispatched as a runtime batch are exactly what a full-size
+checkpoint goes through.
 
-Every wait is announced before it starts: making the checkpoint, loading it, and (the first time
-on a machine whose kernel choice is the C++ cpu set) building those kernels, which the Session
-does while it is made, so the tour's timings never include it.
+Every wait is announced before it starts: loading the checkpoint and (the first time on a
+machine whose kernel choice is the C++ cpu set) building those kernels, which the Session does
+while it is made, so the tour's timings never include it.
 """
 from __future__ import annotations
 
-import tempfile
 import time
 from pathlib import Path
 
 from .engine.request import SamplingParams
 from .session import Session
-from .testing import make_tiny_qwen3
+from .testing import tiny_trained_qwen3
 
 PROMPTS = [
-    "Paged attention stores the KV cache in fixed-size blocks.",
-    "Hello!",
-    "A block table maps each request's positions to physical blocks, and the slot mapping tells "
-    "every new token where to write its key and value.",
+    "music means",
+    "a river in",
+    ("the capital of the state, a large city on the shore of a lake with a busy port and an old "
+     "university, is a large city in the north of"),
 ]
-MAX_NEW = (12, 4, 8)
+MAX_NEW = (16, 8, 12)
 
 
 def run_demo(out=print, model_dir: str | Path | None = None) -> Session:
     """Print the tour; returns the session for further poking."""
     from .device import cpu_kernels_choice
-    out("qwen-npu demo: a random-weight Qwen3 with the real tokenizer (its text is nonsense by design)")
+    path = Path(model_dir) if model_dir else tiny_trained_qwen3()
+    what = "the checkpoint at " + str(path) if model_dir else \
+        "the small Qwen3 trained on WordNet's English that ships with qwen-npu (greedy decoding)"
+    out(f"qwen-npu demo: {what}")
     t_setup = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out(f"  loading {model_dir} ..." if model_dir else "  making a tiny random-weight Qwen3 and loading it "
-            "(a few seconds; a first run on a CPU that uses the C++ kernels builds them first and says so)")
-        path = Path(model_dir) if model_dir else make_tiny_qwen3(Path(tmp) / "tiny-qwen3", hidden_size=128,
-                                                                num_hidden_layers=4, num_attention_heads=4,
-                                                                num_key_value_heads=2, head_dim=32,
-                                                                intermediate_size=256)
-        sess = Session.from_pretrained(path, max_batch=4, block_size=8, chunk_size=16, num_blocks=64,
-                                       max_model_len=256)
+    out("  loading it (a few seconds; a first run on a CPU that uses the C++ kernels builds them first "
+        "and says so)")
+    sess = Session.from_pretrained(path, max_batch=4, block_size=8, chunk_size=16, num_blocks=64,
+                                   max_model_len=256)
     out(f"  ready in {time.perf_counter() - t_setup:.1f} s (not counted below)")
     if sess.config.device == "cpu":
         out(f"  kernels: {sess.config.kernels}" + (f" ({cpu_kernels_choice()[1]})" if sess.config.kernels != "cpu"
@@ -48,7 +46,7 @@ def run_demo(out=print, model_dir: str | Path | None = None) -> Session:
     out(f"  {sess!r}\n")
     reqs = []
     for prompt, n in zip(PROMPTS, MAX_NEW):
-        r = sess.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        r = sess.add_request(prompt, SamplingParams(max_new_tokens=n))      # greedy, ends at eos
         reqs.append(r)
         out(f"request {r.id}: {len(r.prompt_token_ids)} prompt tokens, up to {n} new  <- {prompt[:48]!r}")
     out(f"\n1. Chunked prefill: at most chunk_size={sess.config.chunk_size} prompt tokens per step, "
@@ -86,7 +84,7 @@ def run_demo(out=print, model_dir: str | Path | None = None) -> Session:
     out("\n4. Output streams:")
     for r in reqs:
         out(f"   request {r.id} ({r.finish_reason}, {len(r.output_token_ids)} tokens): {r.output_token_ids}")
-        out(f"      text: {r.text!r}")
+        out(f"      ...{(r.prompt_text or '')[-32:]!r} -> {r.text!r}")
     n_out = sum(len(r.output_token_ids) for r in reqs)
     out(f"\n{n_out} tokens generated in {total:.3f} s; decode: {decode_steps} steps, "
         f"{decode_tokens / max(decode_time, 1e-9):.1f} tokens/s")

@@ -1,4 +1,7 @@
-"""Tiny random Qwen3 checkpoints for tests and notebooks.
+"""Tiny Qwen3 checkpoints for tests, notebooks and the demo.
+
+``tiny_trained_qwen3`` returns the small trained model shipped inside the package (it writes
+English; see docs/tiny-model.md).
 
 ``make_tiny_qwen3`` writes a Hugging Face checkpoint folder that both
 ``transformers.AutoModelForCausalLM.from_pretrained`` and ``qwen_npu`` load unchanged:
@@ -28,8 +31,27 @@ QWEN3_EOS_TOKEN_ID = 151645        # <|im_end|>
 QWEN3_BOS_TOKEN_ID = 151643        # <|endoftext|> (also the pad token)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json")
 
+TINY_TRAINED_DIR = Path(__file__).parent / "checkpoints" / "tiny-qwen3-wordnet"
 _INIT_STD = 0.02                   # Hugging Face initializer_range: clear greedy top-2 margins
 _NORM_NOISE_STD = 0.05             # RMSNorm weights are 1 + noise, so a dropped norm weight shows
+
+
+def tiny_trained_qwen3() -> Path:
+    """The folder of the small Qwen3 trained on WordNet's English that ships with the package.
+
+    2.4M parameters, a 4096-token byte-level BPE vocabulary with the Qwen3 chat tokens, float32
+    safetensors; ``Session.from_pretrained`` and ``transformers`` load it as is. It writes short
+    English definitions and sentences (docs/tiny-model.md has its numbers and how it was trained).
+    Raises ``FileNotFoundError`` when the installed package lacks it.
+    """
+    needed = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    missing = [name for name in needed if not (TINY_TRAINED_DIR / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the trained tiny Qwen3 is incomplete at {TINY_TRAINED_DIR} (missing {', '.join(missing)}); "
+            f"reinstall qwen-npu, or rebuild it with `python -m qwen_npu.train --wordnet DIR --out "
+            f"{TINY_TRAINED_DIR}`")
+    return TINY_TRAINED_DIR
 
 
 def tokenizer_files_dir() -> Path:
@@ -93,12 +115,42 @@ def make_tiny_qwen3(
     vocab = QWEN3_VOCAB_SIZE if real_vocab else int(vocab_size)
     eos = QWEN3_EOS_TOKEN_ID if real_vocab else vocab - 1
     bos = QWEN3_BOS_TOKEN_ID if real_vocab else None
-    dtype_name = str(dtype).removeprefix("torch.")
 
-    config = {
+    config = qwen3_config(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                          num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                          num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                          max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+                          rms_norm_eps=rms_norm_eps, tie_word_embeddings=tie_word_embeddings,
+                          bos_token_id=bos, eos_token_id=eos, pad_token_id=bos, dtype=dtype)
+    generation = {"bos_token_id": bos,
+                  "eos_token_id": [QWEN3_EOS_TOKEN_ID, QWEN3_BOS_TOKEN_ID] if real_vocab else eos,
+                  "pad_token_id": bos}
+    _write_json(path / "config.json", config)
+    _write_json(path / "generation_config.json", generation)
+
+    tensors = _random_weights(seed=seed, vocab=vocab, hidden=hidden_size, layers=num_hidden_layers,
+                              heads=num_attention_heads, kv_heads=num_key_value_heads,
+                              head_dim=head_dim, intermediate=intermediate_size,
+                              tied=tie_word_embeddings, dtype=dtype)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    if tok_dir is not None:
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(tok_dir / name, path / name)
+    return path
+
+
+def qwen3_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
+                 num_attention_heads: int, num_key_value_heads: int, head_dim: int,
+                 max_position_embeddings: int, rope_theta: float, rms_norm_eps: float,
+                 tie_word_embeddings: bool, bos_token_id: int | None, eos_token_id: int | list[int],
+                 pad_token_id: int | None, dtype: torch.dtype) -> dict:
+    """A Qwen3 ``config.json`` with every field explicit (transformers 5 defaults differ from Qwen3's)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "vocab_size": vocab,
+        "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
         "num_hidden_layers": num_hidden_layers,
@@ -119,29 +171,13 @@ def make_tiny_qwen3(
         "max_window_layers": num_hidden_layers,
         "layer_types": ["full_attention"] * num_hidden_layers,
         "tie_word_embeddings": tie_word_embeddings,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": bos,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
         "use_cache": True,
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
-    generation = {"bos_token_id": bos,
-                  "eos_token_id": [QWEN3_EOS_TOKEN_ID, QWEN3_BOS_TOKEN_ID] if real_vocab else eos,
-                  "pad_token_id": bos}
-    _write_json(path / "config.json", config)
-    _write_json(path / "generation_config.json", generation)
-
-    tensors = _random_weights(seed=seed, vocab=vocab, hidden=hidden_size, layers=num_hidden_layers,
-                              heads=num_attention_heads, kv_heads=num_key_value_heads,
-                              head_dim=head_dim, intermediate=intermediate_size,
-                              tied=tie_word_embeddings, dtype=dtype)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-    if tok_dir is not None:
-        for name in TOKENIZER_FILES:
-            shutil.copyfile(tok_dir / name, path / name)
-    return path
 
 
 def _random_weights(*, seed: int, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
