@@ -4,7 +4,9 @@
     sess.step()      = schedule + run + sample one step
     sess.generate()  = step() until the given prompts finish (continuous batching)
 
-Every step is refused with a clear error, before any state changes, when it cannot run.
+Every step is a transaction (see ``engine/transaction.py``): it is planned on a draft, checked,
+dispatched, and only then committed with plain assignments. A step refused or interrupted
+before its commit — by an error, Ctrl-C or a warning turned into an error — changes nothing.
 """
 from __future__ import annotations
 
@@ -19,13 +21,15 @@ from . import chat
 from .config import ModelConfig, SessionConfig
 from .engine import sampler
 from .engine.admission import prepare_request
+from .engine.commit import Commit
+from .engine.draft import StepDraft
 from .engine.engine import Engine, check_not_pending
 from .engine.outputs import StepResult
 from .engine.plan import build_plan
 from .engine.request import ABORTED, DECODING, PREFILLING, WAITING, Completion, Request, SamplingParams
 from .engine.scheduler import Scheduler
-from .engine.undo import SchedulingUndo
-from .errors import InvalidRequestError
+from .engine.transaction import deferred_interrupts, fault_point
+from .errors import InvalidRequestError, StaleOutputError
 from .loading import load_session
 from .model.qwen3 import Qwen3Model
 from .tokenizer import Tokenizer
@@ -43,13 +47,16 @@ class Session:
         self.path = path
         self.tokenizer = tokenizer
         self.model = model
+        self._owns_engine = engine is None
         self._engine = engine if engine is not None else Engine(model, config)   # shared by forks
-        self._scheduler = Scheduler(self._engine.manager, max_batch=config.max_batch,
-                                    chunk_size=config.chunk_size)
+        self._scheduler = Scheduler(max_batch=config.max_batch, chunk_size=config.chunk_size)
         self._init_state()
 
     def _init_state(self) -> None:
-        self._requests: dict[int, Request] = {}
+        if hasattr(self, "_requests"):
+            self._requests.clear()       # the same dict: a fork's finalizer watches it
+        else:
+            self._requests: dict[int, Request] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._step_index = 0
         self._seed_rng = random.Random(0)
@@ -84,18 +91,36 @@ class Session:
         return prepare_request(prompt, sampling, self.model_config, self.config, self.tokenizer,
                                where=str(self.path), chat_kwargs=chat_kwargs)
 
-    def _add(self, ids: list[int], text: str | None, sampling: SamplingParams) -> Request:
-        rid = self._engine.new_request_id()
+    def _add(self, ids: list[int], text: str | None, sampling: SamplingParams, *,
+             draw_seed: bool = True) -> Request:
+        """Add a validated request. ``draw_seed=False``: a greedy request that must not shift the
+        seeds later unseeded requests draw (``score``)."""
+        self._engine.collect_dropped()
+        rid = self._engine.next_request_id
+        req = self._new_request(rid, ids, text, sampling)
+        rng = self._seed_rng.getstate()
+        try:
+            seed = sampling.seed
+            if seed is None and draw_seed:
+                seed = self._seed_rng.getrandbits(63)
+            gen = None if sampling.greedy else sampler.new_generator(self.model.device, seed or 0)
+        except BaseException:
+            self._seed_rng.setstate(rng)
+            raise
+        with deferred_interrupts():
+            self._engine.next_request_id = rid + 1
+            if gen is not None:
+                self._generators[rid] = gen
+            self._requests[rid] = req
+        return req
+
+    def _new_request(self, rid: int, ids: list[int], text: str | None, sampling: SamplingParams) -> Request:
+        """A Request object for this session; changes nothing."""
         eos = () if sampling.ignore_eos else self.model_config.eos_token_ids
         stops = frozenset(sampling.stop_token_ids if sampling.stop_token_ids is not None else eos)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        req = Request(rid, ids, sampling, stops, block_table=self._engine.manager.block_table,
-                      decode=decode, prompt_text=text)
-        seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
-        if not sampling.greedy:
-            self._generators[rid] = sampler.new_generator(self.model.device, seed)
-        self._requests[rid] = req
-        return req
+        return Request(rid, ids, sampling, stops, block_table=self._engine.manager.block_table,
+                       decode=decode, prompt_text=text)
 
     @property
     def requests(self) -> list[Request]:
@@ -110,6 +135,7 @@ class Session:
 
     def abort(self, req) -> None:
         """Stop a request wherever it is and free its blocks."""
+        self._engine.collect_dropped()
         req = self.request(req.id if isinstance(req, Request) else req)
         if req.is_done:
             raise InvalidRequestError(f"request {req.id} already {req.status}")
@@ -118,12 +144,14 @@ class Session:
     def reset(self) -> None:
         """Forget every request and step; empty the cache (back to the state after loading).
         A forked Session (sharing its cache) only aborts its own requests and forgets its steps."""
+        self._engine.collect_dropped()
         if self._engine.branches is not None:
             from .research.fork import reset_branch
             if reset_branch(self):
                 return
-        self._engine.reset()
-        self._init_state()
+        with deferred_interrupts():
+            self._engine.reset()
+            self._init_state()
 
     # ---- steps ----------------------------------------------------------------------------------------
     @property
@@ -131,52 +159,79 @@ class Session:
         return self.history[-1] if self.history else None
 
     def prefill(self, requests=None) -> StepResult:
-        """One prefill step over waiting/prefilling requests (default: all, in arrival order)."""
-        check_not_pending(self.last_step, "prefill")
-        t0, undo = time.perf_counter(), SchedulingUndo(self._engine.manager, self.requests)
+        """One prefill step over waiting/prefilling requests (default: all, in arrival order;
+        a request named twice runs once)."""
+        self._engine.collect_dropped()
+        check_not_pending(self.last_step, "prefill", self._requests)
         if requests is None:
             cands = [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)]
         else:
-            cands = [self.request(r.id if isinstance(r, Request) else r) for r in requests]
+            if isinstance(requests, (Request, int)):
+                requests = [requests]
+            picked = {}
+            for r in requests:
+                req = self.request(r.id if isinstance(r, Request) else r)
+                picked.setdefault(req.id, req)
+            cands = list(picked.values())
             bad = [r for r in cands if r.status not in (WAITING, PREFILLING)]
             if bad:
                 raise InvalidRequestError(f"cannot prefill request {bad[0].id}: it is {bad[0].status}")
-        rows = self._scheduler.prefill_rows(self.requests, cands)
-        if not rows:
-            raise InvalidRequestError(self._nothing_to_run("prefill"))
-        return self._run("prefill", rows, t0, undo)
+
+        def plan(draft):
+            return "prefill", self._scheduler.prefill_rows(draft, self.requests, cands)
+        return self._transact(plan, "prefill", sample=False)
 
     def decode_step(self) -> StepResult:
         """One runtime-batch decode step over every decoding request."""
-        check_not_pending(self.last_step, "decode")
-        t0, undo = time.perf_counter(), SchedulingUndo(self._engine.manager, self.requests)
+        self._engine.collect_dropped()
+        check_not_pending(self.last_step, "decode", self._requests)
         if not any(r.status == DECODING for r in self._requests.values()):
             raise InvalidRequestError(self._nothing_to_run("decode"))
-        rows = self._scheduler.decode_rows(self.requests)
-        if not rows:
-            raise InvalidRequestError(self._nothing_to_run("decode"))
-        return self._run("decode", [(r, 1) for r in rows], t0, undo)
 
-    def _run(self, kind: str, rows, t0: float, undo: SchedulingUndo) -> StepResult:
-        """Plan, check and dispatch; a step refused before its forward returns takes back its scheduling."""
+        def plan(draft):
+            return "decode", [(r, 1) for r in self._scheduler.decode_rows(draft, self.requests)]
+        return self._transact(plan, "decode", sample=False)
+
+    def _transact(self, schedule, action: str, *, sample: bool, force=None) -> StepResult:
+        """One step as a transaction: plan on a draft, validate, dispatch, commit (see module doc)."""
+        t0 = time.perf_counter()
+        draft = StepDraft(self._engine.manager, self._requests)
+        kind, rows = schedule(draft)
+        fault_point("planned")
+        if not rows:
+            raise InvalidRequestError(self._nothing_to_run(action))
         cfg = self.config
         pad = cfg.max_batch if kind == "decode" and cfg.decode_padding == "replicate" else None
-        tables = {r.id: self._engine.manager.block_table(r.id) for r, _ in rows}
+        tables = {r.id: draft.manager.block_table(r.id) for r, _ in rows}
         plan = build_plan(kind, self._step_index, rows, tables, cfg.block_size, pad_to=pad)
         timings = {"schedule": time.perf_counter() - t0}
+        step, commit = self._engine.run(plan, draft, self._visible_requests(), timings)
         try:
-            step = self._engine.run(plan, self._requests, timings)
+            if sample and step.logits is not None:
+                self._engine.sample(step, draft, self._generators, commit, force=force)
         except BaseException:
-            undo.restore()
+            commit.abandon()
             raise
-        self._step_index += 1
-        self.history.append(step)
+        commit.then.append(lambda: self.history.append(step))
+        commit.then.append(self._advance)
+        commit.apply(self._generators)
         return step
+
+    def _advance(self) -> None:
+        self._step_index += 1
+
+    def _visible_requests(self) -> dict:
+        branches = self._engine.branches
+        return self._requests if branches is None else branches.requests()
 
     def _nothing_to_run(self, kind: str) -> str:
         by = collections.Counter(r.status for r in self._requests.values())
         state = ", ".join(f"{n} {s}" for s, n in by.items()) or "no requests"
-        return f"nothing to {kind}: {state}" + ("; add a request first" if not by else "")
+        msg = f"nothing to {kind}: {state}" + ("; add a request first" if not by else "")
+        if by.get(WAITING) and self._engine.branches is not None:
+            from .research.fork import sibling_holders
+            msg += sibling_holders(self)
+        return msg
 
     def sample(self, step: StepResult | None = None, *, force=None) -> torch.Tensor:
         """Sample one token per logits row of ``step`` (default: the last) on the device.
@@ -194,9 +249,16 @@ class Session:
             raise InvalidRequestError(f"step {step.index} was already sampled")
         if step.logits is None:
             raise InvalidRequestError(f"step {step.index} produced no logits (no row finished its prompt)")
+        if step.logits.is_stale:
+            raise StaleOutputError(f"cannot sample step {step.index}: its logits were overwritten by a step "
+                                   f"of another branch sharing this cache")
         if force is not None:
             force = self._forced(step, force)
-        return self._engine.sample(step, self._requests, self._generators, force=force)
+        draft = StepDraft(self._engine.manager, self._requests)
+        commit = Commit(self._engine, draft)
+        ids = self._engine.sample(step, draft, self._generators, commit, force=force)
+        commit.apply(self._generators)
+        return ids
 
     def _forced(self, step: StepResult, force) -> dict[int, int]:
         ids = step.logits_request_ids
@@ -216,21 +278,18 @@ class Session:
         return out
 
     def step(self) -> StepResult:
-        """Schedule, run and sample one step: prefill when a prompt can make progress, else decode."""
-        check_not_pending(self.last_step, "step")
-        t0, undo = time.perf_counter(), SchedulingUndo(self._engine.manager, self.requests)
-        rows = self._scheduler.prefill_rows(
-            self.requests, [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)])
-        if rows:
-            step = self._run("prefill", rows, t0, undo)
-        else:
-            drows = self._scheduler.decode_rows(self.requests)
-            if not drows:
-                raise InvalidRequestError(self._nothing_to_run("step"))
-            step = self._run("decode", [(r, 1) for r in drows], t0, undo)
-        if step.logits is not None:
-            self.sample(step)
-        return step
+        """Schedule, run and sample one step: prefill when a prompt can make progress, else decode.
+        One transaction: forward and sampling commit together or not at all."""
+        self._engine.collect_dropped()
+        check_not_pending(self.last_step, "step", self._requests)
+
+        def plan(draft):
+            rows = self._scheduler.prefill_rows(
+                draft, self.requests, [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)])
+            if rows:
+                return "prefill", rows
+            return "decode", [(r, 1) for r in self._scheduler.decode_rows(draft, self.requests)]
+        return self._transact(plan, "step", sample=True)
 
     def generate(self, prompts, sampling=None, progress=None, *, enable_thinking: bool | None = None,
                  chat_template_kwargs: dict | None = None) -> list[Completion]:
@@ -254,7 +313,7 @@ class Session:
         samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(samplings) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(samplings)} sampling params")
-        check_not_pending(self.last_step, action)
+        check_not_pending(self.last_step, action, self._requests)
         prepared = [self._prepare(p, s, chat_kwargs) for p, s in zip(prompts, samplings)]
         return [self._add(*p) for p in prepared]
 
@@ -296,6 +355,21 @@ class Session:
         self.close()
 
     # ---- inspection -------------------------------------------------------------------------------------
+    @property
+    def state(self):
+        """The read-only door into the live state (cache manager, K/V, ledger, requests, generators);
+        see ``qwen_npu.session_state``."""
+        from .session_state import SessionState
+        return SessionState(self)
+
+    def state_digest(self):
+        """A fingerprint of everything a step may change (requests, block tables, free-queue order,
+        prefix cache and its statistics, ledger, history, generators, buffer generations); equal
+        digests before and after an interrupted cell prove it changed nothing. See ``StateDigest``."""
+        from .inspect.digest import state_digest
+        self._engine.collect_dropped()
+        return state_digest(self)
+
     @property
     def buffers(self):
         """Read-only mapping name -> live tensor of the dispatch and output buffers."""
