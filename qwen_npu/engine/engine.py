@@ -111,7 +111,7 @@ class Engine:
         logits = DeviceLogits(logits_buf, n_logits, transfers, plan.index, generation=gen) if n_logits else None
         host_logits = torch.empty(0)
         if logits is not None and not self.config.device_outputs:
-            host_logits = logits.view_unchecked().cpu()
+            host_logits = logits.view_unchecked().to("cpu", copy=True)
             transfers["d2h"] += host_logits.nbytes
             fault_point("d2h")
         timings["bookkeeping"] = time.perf_counter() - t0
@@ -188,6 +188,7 @@ class Engine:
         packed = ids | (_health_codes(logits) << 32)
         packed = logprobs.attach(packed, logits, ids, logprobs.width(ks, logits.shape[-1]))
         host = packed.cpu()
+        d2h = host.nbytes
         fault_point("d2h")
         lps = logprobs.unpack(host, ks)
         host = host if host.dim() == 1 else host[:, 0]
@@ -199,7 +200,7 @@ class Engine:
                 continue                         # aborted between the forward and this sample
             self.stage_token(draft, req, tok, lp)
         fault_point("staged")
-        commit.sampled = (step, tokens, health, h2d, host.nbytes, time.perf_counter() - t0)
+        commit.sampled = (step, tokens, health, h2d, d2h, time.perf_counter() - t0)
         return ids
 
     @staticmethod
