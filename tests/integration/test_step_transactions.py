@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from fault_kit import Boom, raise_at, record_points
 
-from qwen_npu import SamplingParams, Session
+from qwen_npu import InvalidRequestError, SamplingParams, Session
 
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0.9, top_k=20, seed=7)
@@ -185,23 +185,20 @@ def test_faults_in_a_fork_change_neither_branch(tiny_ckpt_small_vocab):
 
 
 def test_a_refused_decode_step_does_not_preempt(tiny_ckpt_small_vocab):
-    """"nothing to decode" after planning preempted a request used to free its blocks anyway."""
-    sess = open_tiny(tiny_ckpt_small_vocab, num_blocks=5, max_batch=2)
-    a = sess.add_request(P1, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    b = sess.add_request(P2, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    while b.status != "decoding" or a.status != "decoding":
-        sess.step()
-        if a.is_done or b.is_done:
-            pytest.skip("the cache shape did not put both in decode")
-    before = sess.state_digest()
-    raised = False
-    for _ in range(10):          # decode until a step must preempt; refuse that one by a fault
-        if raise_at(sess, lambda s: s.decode_step(), "planned#1", Boom):
-            raised = True
-        assert sess.state_digest() == before
-        break
-    assert raised
-    assert b.num_preemptions == 0 and b.block_table
+    """Planning a decode step that can only preempt its own row refuses it: nothing to decode.
+    The preemption it planned must not happen (it used to free the request's blocks anyway)."""
+    sess = open_tiny(tiny_ckpt_small_vocab, num_blocks=4, chunk_size=12, max_model_len=16)
+    a = sess.add_request(list(range(1, 16)), SamplingParams(max_new_tokens=1, ignore_eos=True))
+    b = sess.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    sess.sample(sess.prefill([b]))               # b decodes next at position 4: it needs a second block
+    sess.prefill([a])                            # a (older) takes the other three blocks
+    assert b.status == "decoding" and sess.state.manager.num_free_blocks == 0
+    before, table = sess.state_digest(), b.block_table
+    with pytest.raises(InvalidRequestError, match="nothing to decode"):
+        sess.decode_step()
+    assert sess.state_digest() == before
+    assert b.status == "decoding" and b.block_table == table and b.num_preemptions == 0
+    assert sess.check().ok
 
 
 def test_prefill_names_a_request_once(tiny_ckpt_small_vocab):
