@@ -403,8 +403,8 @@ class Session:
     def check(self):
         """Sweep every cache invariant (blocks, tables, live slots, ledger collisions, non-finite K/V)."""
         from .inspect.check import check_session
-        from .research.fork import visible_requests
-        return check_session(self._engine, visible_requests(self), list(self.history))
+        self._engine.collect_dropped()
+        return check_session(self._engine, self._visible_requests(), list(self.history))
 
     def audit(self, request, *, tol: float | None = None):
         """Recompute ``request``'s K/V densely from its tokens and compare with its slots, per layer."""
