@@ -214,7 +214,7 @@ class Session:
             raise
         commit.then.append(lambda: self.history.append(step))
         commit.then.append(self._advance)
-        commit.apply(self._generators)
+        commit.apply(self._generators, stacklevel=4)     # warnings point at the caller of step()
         return step
 
     def _advance(self) -> None:

@@ -227,3 +227,42 @@ def test_an_interrupted_score_leaves_no_request_behind(tiny_ckpt_small_vocab):
     assert raise_at(sess, lambda s: s.score(P1, [5, 6, 7]), "dispatched#2", KeyboardInterrupt)
     assert all(r.is_done for r in sess.requests)
     assert sess.check().ok and sess.state.manager.num_used_blocks == 0
+
+
+def test_warnings_as_errors_raise_after_a_whole_commit(tiny_ckpt_small_vocab):
+    """A StreamHealthWarning or FaultEmulationWarning turned into an error is raised once the
+    step is fully committed: the tokens are applied, check() passes and the session goes on."""
+    import warnings
+
+    from qwen_npu import StreamHealthWarning
+    from qwen_npu.engine.faults import FaultEmulationWarning
+
+    sess = open_tiny(tiny_ckpt_small_vocab)
+    r = sess.add_request(P3, GREEDY)
+    sess.step()                                          # prefill: r decodes next
+    bs = sess.config.block_size
+    sess.state.kv_cache.keys[0][r.block_table[0], 1 % bs] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(StreamHealthWarning):
+            sess.step()
+    assert len(r.output_token_ids) == 2 and r.status == "decoding"
+    report = sess.check()
+    assert sess.last_step.sampled and {p.section for p in report.items} == {"values"}   # only the poison
+    sess.step()                                          # goes on
+    assert len(r.output_token_ids) == 3
+
+    rep = open_tiny(tiny_ckpt_small_vocab, decode_padding="replicate", slot_check="off")
+    reqs = [rep.add_request(P3, GREEDY), rep.add_request(P1, GREEDY)]
+    while any(x.status != "decoding" for x in reqs):
+        rep.step()
+    rep.abort(reqs[1])                                   # one live row: padding rows collide with it
+    with rep.emulate_faults("zero_on_collision"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(FaultEmulationWarning):
+                rep.step()
+    assert rep.last_step.sampled and len(reqs[0].output_token_ids) == 2
+    assert rep.state.faults is None and len(rep.history) >= 2
+    rep.step()
+    assert len(reqs[0].output_token_ids) == 3
