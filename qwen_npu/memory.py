@@ -128,7 +128,7 @@ class MemoryReport:
 
 
 def memory_report(sess) -> MemoryReport:
-    engine, cfg = sess._engine, sess.config
+    engine, cfg = sess.state.engine, sess.config
     pool = engine.manager.pool
     kv = engine.kv_cache
     block_bytes = kv.nbytes // max(kv.num_blocks, 1)

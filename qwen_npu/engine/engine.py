@@ -1,4 +1,7 @@
-"""Run one planned step end to end and apply its sampled tokens.
+"""Dispatch one planned step and book its results on the step's draft; sample on the device.
+
+Nothing here changes live state: ``run`` and ``sample`` stage their results on a StepDraft and a
+Commit, which the Session applies (see ``transaction.py`` for the phases).
 
     plan ─> slot checks ─> runner.dispatch (buffers [:n], model) ─> bookkeeping (computed
     tokens, prefix hashes, slot ledger) ─> StepResult ─> sample on device ─> token ids to host

@@ -57,12 +57,12 @@ class Capture:
     def __enter__(self) -> Capture:
         if self._used:
             raise InvalidRequestError("this capture was already used; call sess.capture(...) again")
-        hooks.attach(self._sess._engine, self)
+        hooks.attach(self._sess.state.engine, self)
         self.active = self._used = True
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks.detach(self._sess._engine, self)
+        hooks.detach(self._sess.state.engine, self)
         self.active = False
 
     # ---- called by the step hook ---------------------------------------------------------------
@@ -79,7 +79,7 @@ class Capture:
         self._pending, self._pending_kind = {}, None
 
     def on_tensor(self, plan, name: str, x: torch.Tensor, spans) -> None:
-        owned = self._sess._requests
+        owned = self._sess.state.requests
         wanted = self._wanted
         snap = None
         for s in spans:

@@ -20,7 +20,14 @@ slot checks and ``check()`` see the requests of every branch; ``reset()`` of one
 only its own requests; steps of the branches may interleave, but a step's logits are only valid
 until the next step of any branch reuses the output buffer (clone them to keep them); a step of
 the parent is not one of the child's (each history and step counter is its own, the child's
-starting where the parent's was). ``close()`` frees the shared cache for every branch.
+starting where the parent's was).
+
+A branch owns its requests: ``branch.close()`` aborts them and frees their blocks (only theirs),
+and so does dropping the last reference to a branch (its finalizer queues the requests on the
+engine; the next call on any branch aborts them — a finalizer may run in the middle of a step,
+so it never changes state itself). ``close()`` of the session that created the cache closes
+every branch. A branch is never given a sibling's blocks by preemption: when its waiting
+requests need blocks that other branches hold, its step is refused naming those requests.
 """
 from __future__ import annotations
 
@@ -106,9 +113,9 @@ def fork_session(sess, sampling=None):
         raise OutOfBlocksError(f"fork needs {copies_needed} free blocks to copy the partly filled last block "
                                f"of each request, but only {manager.num_free_blocks} are free")
     child = type(sess)(sess.model, sess.config, path=sess.path, tokenizer=sess.tokenizer, engine=engine)
-    child._step_index = sess._step_index
+    child._step_index = sess.state.step_index
     first = engine.next_request_id
-    last_step = max(sess._step_index - 1, 0)
+    last_step = max(sess.state.step_index - 1, 0)
     made, gens, copies, writes = {}, {}, [], ([], [], [])
     for k, (r, sp) in enumerate(plans):
         cid = first + k
@@ -167,8 +174,8 @@ def sibling_holders(sess) -> str:
 def close_branch(sess) -> None:
     """``close()`` of a branch that does not own the cache: abort its own unfinished requests, free
     their blocks, and close just this branch; the other branches go on."""
-    engine = sess._engine
-    for r in list(sess._requests.values()):
+    engine = sess.state.engine
+    for r in list(sess.requests):
         if not r.is_done:
             engine.finish(r, "abort", ABORTED)
     fin = getattr(sess, "_finalizer", None)
