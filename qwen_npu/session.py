@@ -228,7 +228,7 @@ class Session:
         by = collections.Counter(r.status for r in self._requests.values())
         state = ", ".join(f"{n} {s}" for s, n in by.items()) or "no requests"
         msg = f"nothing to {kind}: {state}" + ("; add a request first" if not by else "")
-        if by.get(WAITING) and self._engine.branches is not None:
+        if (by.get(WAITING) or by.get(DECODING) or by.get(PREFILLING)) and self._engine.branches is not None:
             from .research.fork import sibling_holders
             msg += sibling_holders(self)
         return msg

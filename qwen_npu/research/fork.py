@@ -167,7 +167,7 @@ def sibling_holders(sess) -> str:
     if not held:
         return ""
     who = ", ".join(f"request {rid} ({n} blocks)" for rid, n in held)
-    return (f"; the waiting requests need blocks that other branches of this fork hold: {who}. "
+    return (f"; its requests need blocks that other branches of this fork hold: {who}. "
             f"Finish, abort or close those branches (branch.close()) first")
 
 
