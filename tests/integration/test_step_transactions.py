@@ -10,6 +10,7 @@ passes; at the end every request has exactly the tokens of the uninterrupted run
 from __future__ import annotations
 
 import pytest
+import torch
 from fault_kit import Boom, raise_at, record_points
 
 from qwen_npu import InvalidRequestError, SamplingParams, Session
@@ -156,14 +157,12 @@ def test_faults_in_a_fork_change_neither_branch(tiny_ckpt_small_vocab):
 
     ref = build(open_tiny(tiny_ckpt_small_vocab))
     ref_child = ref.fork()
-    (_, fork_points) = (None, None)
     for _ in range(4):
         ref_child.step()
         ref.step()
     want = (tokens(ref), tokens(ref_child))
 
     sess = build(open_tiny(tiny_ckpt_small_vocab))
-    _, fork_points = record_points(sess, lambda s: None)            # nothing reached outside a call
     before = sess.state_digest()
     for point in ("planned#1", "commit#1"):
         for exc in (KeyboardInterrupt, Boom):
@@ -173,7 +172,6 @@ def test_faults_in_a_fork_change_neither_branch(tiny_ckpt_small_vocab):
     child = sess.fork()
     for _ in range(4):
         for branch in (child, sess):
-            _, reached = record_points(open_tiny(tiny_ckpt_small_vocab), lambda s: None)
             for point in ("planned#1", "dispatched#1", "fwd:layers.0.attn.z#1", "sampled#1", "commit#1"):
                 for exc in (KeyboardInterrupt, Boom):
                     b0, c0 = sess.state_digest(), child.state_digest()
@@ -266,3 +264,35 @@ def test_warnings_as_errors_raise_after_a_whole_commit(tiny_ckpt_small_vocab):
     assert rep.state.faults is None and len(rep.history) >= 2
     rep.step()
     assert len(reqs[0].output_token_ids) == 3
+
+
+def test_the_last_steps_logits_stay_valid_after_a_failed_step(tiny_ckpt_small_vocab):
+    sess = open_tiny(tiny_ckpt_small_vocab)
+    sess.add_request(P1, GREEDY)
+    sess.add_request(P3, GREEDY)
+    while any(r.status != "decoding" for r in sess.requests):
+        sess.step()
+    last = sess.decode_step()
+    values = last.logits.tensor.clone()
+    sess.sample(last)
+    for point in ("fwd:logits#1", "dispatched#1", "sampled#1", "commit#1"):
+        assert raise_at(sess, lambda s: s.step(), point, KeyboardInterrupt)
+        assert not last.logits.is_stale
+        assert torch.equal(last.logits.tensor, values)     # the failed step wrote the other buffer
+    nxt = sess.step()
+    assert last.logits.is_stale and nxt.index == last.index + 1
+
+
+def test_the_state_view_reads_but_does_not_write(tiny_ckpt_small_vocab):
+    sess = open_tiny(tiny_ckpt_small_vocab)
+    r = sess.add_request(P3, SEEDED)
+    sess.step()
+    st = sess.state
+    assert st.requests[r.id] is r and st.step_index == 1 and r.id in st.generators
+    assert st.manager.block_table(r.id) == r.block_table
+    with pytest.raises(TypeError):
+        st.requests[99] = r
+    with pytest.raises(TypeError):
+        st.generators[r.id] = None
+    with pytest.raises(AttributeError):
+        st.step_index = 5
