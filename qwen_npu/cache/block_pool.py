@@ -87,18 +87,19 @@ class BlockPool:
         self._by_hash: dict[int, int] = {}   # block_hash -> block_id
         self._num_cached = 0                  # hashed blocks with ref_count 0
         self._owned: set[int] | None = None   # a draft's privately copied blocks (None: all are its own)
+        self._maps_shared = False             # a draft still shares the queue and hash map it was cloned from
 
     # ---- drafts: a private copy for planning, adopted whole on commit ---------------------------
     def clone(self) -> BlockPool:
         """An independent copy (a step's draft): its changes never reach this pool.
 
-        Blocks are copied on first change, so a clone costs one list and one queue copy."""
+        Blocks are copied on first change, and the free queue and hash map on the first change
+        to either, so a clone that only reads costs one list copy."""
         new = object.__new__(BlockPool)
         new._num_blocks, new._block_size = self._num_blocks, self._block_size
         new._enable_prefix_cache = self._enable_prefix_cache
         new._blocks = list(self._blocks)
-        new._free = self._free.copy()
-        new._by_hash = dict(self._by_hash)
+        new._free, new._by_hash, new._maps_shared = self._free, self._by_hash, True
         new._num_cached = self._num_cached
         new._owned = set()
         return new
@@ -106,7 +107,12 @@ class BlockPool:
     def adopt(self, draft: BlockPool) -> None:
         """Take over ``draft``'s state (plain assignments; the draft must not be used again)."""
         self._blocks, self._free, self._by_hash = draft._blocks, draft._free, draft._by_hash
-        self._num_cached, self._owned = draft._num_cached, None
+        self._num_cached, self._owned, self._maps_shared = draft._num_cached, None, False
+
+    def _own_maps(self) -> None:
+        """Before a draft changes the free queue or the hash map: copy both (once)."""
+        if self._maps_shared:
+            self._free, self._by_hash, self._maps_shared = self._free.copy(), dict(self._by_hash), False
 
     def _mut(self, block_id: int) -> _Block:
         """The block to change: in a clone, a private copy made on first change."""
@@ -163,6 +169,8 @@ class BlockPool:
             raise OutOfBlocksError(f"need {n} free blocks but only {len(self._free)} of {self._num_blocks} "
                                    f"are free; free a request or give the KV cache more blocks")
         block_ids = []
+        if n:
+            self._own_maps()
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self._mut(block_id)
@@ -179,6 +187,7 @@ class BlockPool:
             if block.block_hash is None:
                 raise ValueError(f"block {block_id} is free and caches nothing; allocate blocks instead "
                                  f"of acquiring a free one")
+            self._own_maps()
             del self._free[block_id]
             self._num_cached -= 1
         block.ref_count += 1
@@ -198,6 +207,7 @@ class BlockPool:
             block = self._mut(block_id)
             block.ref_count -= 1
             if block.ref_count == 0:
+                self._own_maps()
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
@@ -229,6 +239,7 @@ class BlockPool:
                                  f"{block.token_ids}; a published block cannot change its content")
             return block_hash
         if block_hash not in self._by_hash:
+            self._own_maps()
             block = self._mut(block_id)
             block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tokens
             self._by_hash[block_hash] = block_id
