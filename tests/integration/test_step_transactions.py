@@ -306,3 +306,14 @@ def test_the_state_view_reads_but_does_not_write(tiny_ckpt_small_vocab):
         st.generators[r.id] = None
     with pytest.raises(AttributeError):
         st.step_index = 5
+
+
+def test_a_step_whose_rows_were_all_aborted_needs_no_sample(tiny_ckpt_small_vocab):
+    sess = open_tiny(tiny_ckpt_small_vocab)
+    a = sess.add_request(P3, GREEDY)
+    b = sess.add_request(P1, GREEDY)
+    step = sess.prefill([a])
+    assert step.logits_request_ids == [a.id]
+    sess.abort(a)
+    nxt = sess.step()                                    # refused before: "call sess.sample() first"
+    assert b.id in nxt.request_ids and sess.check().ok
