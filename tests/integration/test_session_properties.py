@@ -65,6 +65,69 @@ def one_step(branch):
         return False
 
 
+def apply_op(root, forks, capture, op, tokens, n, pick, capacity):
+    """One operation of a program; returns the open capture (or None). Its locals (which may
+    reference a fork) end with it, so a dropped fork is really unreachable afterwards."""
+    branches = [root] + forks
+    b = branches[pick % len(branches)]
+    live = [r for r in b.requests if not r.is_done]
+    pending = b.last_step is not None and not b.last_step.sampled
+    if op == "add" and not pending:
+        try:
+            b.add_request(tokens, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        except OutOfBlocksError:
+            assert len(tokens) + n - 1 > capacity
+    elif op == "step" and live:
+        one_step(b)
+    elif op == "abort" and live:
+        b.abort(live[pick % len(live)])
+    elif op == "reset":
+        b.reset()
+    elif op == "fork" and not pending and len(forks) < 3:
+        try:
+            forks.append(b.fork())
+        except OutOfBlocksError:
+            pass
+    elif op == "drop" and forks:
+        forks.pop(pick % len(forks))
+        gc.collect()
+    elif op == "close" and forks:
+        forks.pop(pick % len(forks)).close()
+    elif op == "score" and not pending:
+        try:
+            res = root.score(tokens[:2], [1, 2][:n])
+            assert len(res.logprobs) == min(n, 2)
+        except (OutOfBlocksError, InvalidRequestError):
+            pass
+    elif op == "capture":
+        if capture is None:
+            capture = root.capture(["logits"])
+            capture.__enter__()
+        else:
+            capture.__exit__(None, None, None)
+            capture = None
+    elif op == "fault" and not pending:
+        if not live:
+            try:
+                b.add_request(tokens, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            except OutOfBlocksError:
+                return capture
+            branches = [root] + forks
+        before = digests(branches)
+        exc = KeyboardInterrupt if pick % 2 else Boom
+        try:
+            hit = raise_at(b, lambda s: s.step(), POINTS[pick % len(POINTS)], exc)
+        except InvalidRequestError as e:            # refused: it waits for a sibling's blocks
+            assert "other branches of this fork hold" in str(e), e
+            hit = False
+        if hit:
+            RUNS["faults"] += 1
+            assert digests(branches) == before
+        else:
+            pass                           # the point was not reached: the step ran (or was refused)
+    return capture
+
+
 KINDS = (["add"] * 4 + ["step"] * 6 + ["abort", "reset", "fork", "fork", "drop", "close", "score",
                                        "capture", "fault", "fault"])
 ops = st.tuples(st.sampled_from(KINDS), st.lists(st.integers(0, 2), min_size=1, max_size=7),
@@ -86,58 +149,7 @@ def test_random_programs_with_forks_scores_captures_and_faults(
     try:
         for op, tokens, n, pick in program:
             RUNS["ops"] += 1
-            branches = [root] + forks
-            b = branches[pick % len(branches)]
-            live = [r for r in b.requests if not r.is_done]
-            pending = b.last_step is not None and not b.last_step.sampled
-            if op == "add" and not pending:
-                try:
-                    b.add_request(tokens, SamplingParams(max_new_tokens=n, ignore_eos=True))
-                except OutOfBlocksError:
-                    assert len(tokens) + n - 1 > num_blocks * block_size
-            elif op == "step" and live:
-                one_step(b)
-            elif op == "abort" and live:
-                b.abort(live[pick % len(live)])
-            elif op == "reset":
-                b.reset()
-            elif op == "fork" and not pending and len(forks) < 3:
-                try:
-                    forks.append(b.fork())
-                except OutOfBlocksError:
-                    pass
-            elif op == "drop" and forks:
-                forks.pop(pick % len(forks))
-                gc.collect()
-            elif op == "close" and forks:
-                forks.pop(pick % len(forks)).close()
-            elif op == "score" and not pending:
-                try:
-                    res = root.score(tokens[:2], [1, 2][:n])
-                    assert len(res.logprobs) == min(n, 2)
-                except (OutOfBlocksError, InvalidRequestError):
-                    pass
-            elif op == "capture":
-                if capture is None:
-                    capture = root.capture(["logits"])
-                    capture.__enter__()
-                else:
-                    capture.__exit__(None, None, None)
-                    capture = None
-            elif op == "fault" and not pending:
-                if not live:
-                    try:
-                        b.add_request(tokens, SamplingParams(max_new_tokens=n, ignore_eos=True))
-                    except OutOfBlocksError:
-                        continue
-                    branches = [root] + forks
-                before = digests(branches)
-                exc = KeyboardInterrupt if pick % 2 else Boom
-                if raise_at(b, lambda s: s.step(), POINTS[pick % len(POINTS)], exc):
-                    RUNS["faults"] += 1
-                    assert digests(branches) == before
-                else:
-                    pass                           # the point was not reached: the step ran (or was refused)
+            capture = apply_op(root, forks, capture, op, tokens, n, pick, num_blocks * block_size)
             check_all(root, [root] + forks)
         # never lose a request: stepping every branch in turn finishes them all; branches that
         # wait for each other's blocks are refused (naming them), and closing a fork resolves it
@@ -160,6 +172,7 @@ def test_random_programs_with_forks_scores_captures_and_faults(
                 assert r.status in ("finished", "aborted"), r
                 if r.status == "finished" and r.logprobs is None:
                     assert len(r.output_token_ids) == r.sampling.max_new_tokens
+        root.check()                          # any call collects the requests of forks dropped just now
         assert root.state.manager.num_used_blocks == 0, "a block is still held after every request ended"
     finally:
         if capture is not None:
