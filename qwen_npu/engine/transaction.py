@@ -65,9 +65,11 @@ def deferred_interrupts():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if pending and callable(previous):
-        previous(signal.SIGINT, None)
-    elif pending:
+    if not pending or previous == signal.SIG_IGN:
+        return
+    if callable(previous):
+        previous(signal.SIGINT, None)              # the default handler raises KeyboardInterrupt
+    else:
         raise KeyboardInterrupt
 
 

@@ -317,3 +317,29 @@ def test_a_step_whose_rows_were_all_aborted_needs_no_sample(tiny_ckpt_small_voca
     sess.abort(a)
     nxt = sess.step()                                    # refused before: "call sess.sample() first"
     assert b.id in nxt.request_ids and sess.check().ok
+
+
+def test_ctrl_c_during_a_commit_lands_after_it(tiny_ckpt_small_vocab):
+    """SIGINT arriving while a commit applies is held back and raised once the state is whole."""
+    import os
+    import signal
+
+    from qwen_npu.engine.draft import StepDraft
+
+    sess = open_tiny(tiny_ckpt_small_vocab)
+    r = sess.add_request(P3, GREEDY)
+    real = StepDraft.apply
+
+    def apply(self, generators):
+        os.kill(os.getpid(), signal.SIGINT)            # Ctrl-C in the middle of the assignments
+        real(self, generators)
+
+    StepDraft.apply = apply
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sess.step()
+    finally:
+        StepDraft.apply = real
+    assert len(r.output_token_ids) == 1 and len(sess.history) == 1 and sess.check().ok
+    sess.step()
+    assert len(r.output_token_ids) == 2
