@@ -79,6 +79,43 @@ class KVCacheManager:
         self._requests.clear()
         self._stats = PrefixCacheStats()
 
+    # ---- drafts: plan on a private copy, adopt it whole on commit -----------------------------
+    def clone(self) -> KVCacheManager:
+        """An independent copy of every table, ref count, queue position, hash and statistic.
+
+        A step plans and books on a clone; the live manager changes only when the step commits
+        with ``adopt`` (plain assignments), so a step that fails before then changes nothing."""
+        new = object.__new__(KVCacheManager)
+        new._pool = self._pool.clone()
+        new._block_size = self._block_size
+        new._requests = {rid: _RequestBlocks(list(s.table), s.num_computed, s.num_hashed, s.last_hash)
+                         for rid, s in self._requests.items()}
+        new._stats = self._stats
+        return new
+
+    def adopt(self, draft: KVCacheManager) -> None:
+        """Take over ``draft``'s state; cannot fail (the draft must not be used again)."""
+        self._pool.adopt(draft._pool)
+        self._requests = draft._requests
+        self._stats = draft._stats
+
+    def committed_blocks(self, writes: dict[int, int]) -> list[int]:
+        """Of ``writes`` (block -> the request a step writes it for), the blocks whose K/V this
+        (live) manager still points to: cached prefix blocks, and blocks other requests hold.
+        A step that fails must give those back as they were (``engine.transaction.KVGuard``)."""
+        out = []
+        for block_id, rid in writes.items():
+            if not 0 <= block_id < self.num_blocks:
+                continue
+            block = self._pool._blocks[block_id]
+            if block.block_hash is not None and block.ref_count == 0:
+                out.append(block_id)
+            elif block.ref_count > 0:
+                own = self._requests.get(rid)
+                if own is None or block_id not in own.table or block.ref_count > 1:
+                    out.append(block_id)
+        return out
+
     # ---- reading -------------------------------------------------------------------------------
     @property
     def pool(self) -> BlockPool:

@@ -107,7 +107,7 @@ def attention_pattern(sess, request, layer: int, head=None, positions=None) -> A
     """See the module docstring; arguments are checked before anything runs."""
     mc = sess.model_config
     req = sess.request(getattr(request, "id", request))
-    manager = sess._engine.manager
+    manager = sess.state.manager
     n = req.num_computed_tokens
     if not manager.has(req.id) or n == 0:
         raise InvalidRequestError(f"request {req.id} is {req.status} and holds no computed K/V in the cache; "
@@ -124,7 +124,7 @@ def attention_pattern(sess, request, layer: int, head=None, positions=None) -> A
         raise InvalidRequestError(f"positions={positions!r}: request {req.id} has K/V for positions 0..{n - 1}")
     token_ids = req.all_token_ids[:n]
     q, k_dense = _side_forward(sess.model, token_ids, layer)           # [n, heads, hd], [n, kv_heads, hd]
-    key_cache = sess._engine.kv_cache.keys[layer]
+    key_cache = sess.state.kv_cache.keys[layer]
     bs = key_cache.shape[1]
     table = manager.block_table(req.id)
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)], dtype=torch.int64)

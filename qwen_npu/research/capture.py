@@ -57,23 +57,29 @@ class Capture:
     def __enter__(self) -> Capture:
         if self._used:
             raise InvalidRequestError("this capture was already used; call sess.capture(...) again")
-        hooks.attach(self._sess._engine, self)
+        hooks.attach(self._sess.state.engine, self)
         self.active = self._used = True
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks.detach(self._sess._engine, self)
+        hooks.detach(self._sess.state.engine, self)
         self.active = False
 
     # ---- called by the step hook ---------------------------------------------------------------
     def begin_step(self, plan) -> None:
-        # a step that failed inside its forward is run again under the same index: start clean
-        for key in [k for k in self._records if k[0] == plan.index]:
-            del self._records[key]
-        self._steps.pop(plan.index, None)
+        # records go to a pending buffer that only the step's commit publishes (commit_step):
+        # a step that fails or is interrupted leaves no record
+        self._pending, self._pending_kind = {}, None
+
+    def commit_step(self, index: int) -> None:
+        pending = getattr(self, "_pending", None)
+        if pending:
+            self._records.update(pending)
+            self._steps[index] = self._pending_kind
+        self._pending, self._pending_kind = {}, None
 
     def on_tensor(self, plan, name: str, x: torch.Tensor, spans) -> None:
-        owned = self._sess._requests
+        owned = self._sess.state.requests
         wanted = self._wanted
         snap = None
         for s in spans:
@@ -82,10 +88,10 @@ class Capture:
                 continue
             if snap is None:
                 snap = x.detach().clone()        # one copy per call; rows below are views of it
-                self._steps[plan.index] = plan.kind
-            rec = self._records.get((plan.index, rid))
+                self._pending_kind = plan.kind
+            rec = self._pending.get((plan.index, rid))
             if rec is None:
-                rec = self._records[(plan.index, rid)] = CaptureRecord(plan.index, plan.kind, rid, {}, {})
+                rec = self._pending[(plan.index, rid)] = CaptureRecord(plan.index, plan.kind, rid, {}, {})
             rec.chunks.setdefault(name, []).append(snap[s.start:s.end])
             rec.positions.setdefault(name, []).extend(s.positions)
 

@@ -94,6 +94,13 @@ class HookSet:
             e.begin_step(plan)
         return StepHook(plan, entries)
 
+    def commit_step(self, index: int) -> None:
+        """The step ``index`` committed: entries publish what they staged for it."""
+        for e in self.entries:
+            publish = getattr(e, "commit_step", None)
+            if publish is not None:
+                publish(index)
+
     def __repr__(self) -> str:
         return f"HookSet({self.entries!r})"
 

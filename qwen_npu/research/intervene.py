@@ -43,19 +43,19 @@ class Intervention:
         self.active = False
 
     def __enter__(self) -> Intervention:
-        hooks.attach(self._sess._engine, self)
+        hooks.attach(self._sess.state.engine, self)
         self.active = True
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks.detach(self._sess._engine, self)
+        hooks.detach(self._sess.state.engine, self)
         self.active = False
 
     def begin_step(self, plan) -> None:
         pass
 
     def on_tensor(self, plan, name: str, x: torch.Tensor, spans) -> torch.Tensor | None:
-        owned = self._sess._requests
+        owned = self._sess.state.requests
         out = None
         for s in spans:
             rid = s.request_id
