@@ -67,8 +67,8 @@ class CaptureSlice:
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    width = max(p.shape[-1] for p in parts)
-    if any(p.shape[-1] != width for p in parts) and parts[0].dim() == 3:       # scores of several calls
+    width = max(p.shape[-1] for p in parts) if parts[0].dim() > 1 else 0
+    if parts[0].dim() == 3 and any(p.shape[-1] != width for p in parts):        # scores of several calls
         parts = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=float("-inf")) for p in parts]
     return torch.cat(parts)
 

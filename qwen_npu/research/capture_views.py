@@ -90,7 +90,7 @@ class CaptureViews:
         ("attn.scores": keys padded with -inf to the longest row)."""
         _, where = self._ordered(name, request)
         rows = [rec.tensor(name)[j] for rec, j in where]
-        width = max(r.shape[-1] for r in rows)
+        width = max(r.shape[-1] for r in rows) if rows[0].dim() else 0
         if name.endswith(".attn.scores") and any(r.shape[-1] != width for r in rows):
             rows = [torch.nn.functional.pad(r, (0, width - r.shape[-1]), value=float("-inf")) for r in rows]
         return torch.stack(rows)
@@ -128,7 +128,8 @@ class CaptureViews:
         span = f"{steps[0]}..{steps[-1]}" if steps else "none"
         how = ", ".join(f"{n} {k}" for k, n in kinds.items())
         state = "recording" if self.active else "closed"
-        opts = [f"{k}={v!r}" for k, v in (("positions", self.position_filter), ("reduce", self.reduce),
+        reduce = self.reduce if self.reduce is None else getattr(self.reduce, "__name__", type(self.reduce).__name__)
+        opts = [f"{k}={v!r}" for k, v in (("positions", self.position_filter), ("reduce", reduce),
                                           ("offload", self.offload), ("budget", self.budget)) if v is not None]
         opts += ["streaming"] if self.streams else []
         where = f" [{', '.join(opts)}]" if opts else ""
