@@ -33,6 +33,7 @@ import dataclasses
 import torch
 
 from ..errors import InvalidRequestError
+from ..inspect.html import fmt_bytes
 from . import capture_memory, hooks
 from .capture_views import CaptureViews
 
@@ -124,7 +125,7 @@ class Capture(CaptureViews):
             est = self.estimate()
             if est.bytes > self.budget:
                 raise InvalidRequestError(self._over_budget(est.bytes, f"the live requests {list(est.requests)} "
-                                                            f"run to their max_new_tokens ({est!r})"))
+                                                            f"run to their max_new_tokens"))
         hooks.attach(self._sess._engine, self)
         self.active = self._used = True
         return self
@@ -135,7 +136,7 @@ class Capture(CaptureViews):
 
     def _over_budget(self, need: int, what: str) -> str:
         return (f"capture of {', '.join(self.names[:3])}{' ...' if len(self.names) > 3 else ''} would keep "
-                f"{need / 2**20:.1f} MiB for {what}, over its budget of {self.budget / 2**20:.1f} MiB; narrow "
+                f"{fmt_bytes(need)} for {what}, over its budget of {fmt_bytes(int(self.budget))}; narrow "
                 f"names, requests or positions ('last', 'generated'), reduce on the device, or stream with on_step")
 
     # ---- called by the step hook ---------------------------------------------------------------
@@ -170,7 +171,7 @@ class Capture(CaptureViews):
                 need += sum(self.position_bytes(name, p) for p in rows)
         if self._kept + need > self.budget:
             raise InvalidRequestError(f"step {plan.index}: " + self._over_budget(
-                self._kept + need, f"the {self._kept / 2**20:.1f} MiB kept so far and this step"))
+                self._kept + need, f"the {fmt_bytes(self._kept)} kept so far and this step"))
 
     def begin_step(self, plan) -> None:
         # a step that failed inside its forward is run again under the same index: start clean

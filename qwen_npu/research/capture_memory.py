@@ -20,6 +20,7 @@ import math
 import torch
 
 from ..engine.request import DECODING, PREFILLING, WAITING
+from ..inspect.html import fmt_bytes
 
 
 def point_shape(name: str, config, width: int = 1) -> tuple[tuple[int, ...], torch.dtype | None]:
@@ -71,8 +72,8 @@ class CaptureEstimate:
 
     def __repr__(self) -> str:
         top = sorted(self.per_name.items(), key=lambda kv: -kv[1])[:3]
-        names = ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in top)
-        return (f"CaptureEstimate({self.bytes / 2**20:.1f} MiB for {self.positions} positions of requests "
+        names = ", ".join(f"{n} {fmt_bytes(b)}" for n, b in top)
+        return (f"CaptureEstimate({fmt_bytes(self.bytes)} for {self.positions} positions of requests "
                 f"{list(self.requests)}; largest: {names})")
 
 

@@ -77,7 +77,7 @@ class LogitLens:
         im = ax.imshow(vals.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
         for i in range(len(self.names)):
             for j in range(len(self.positions)):
-                ax.text(j, i, self._labels(int(self.top_ids[i, j, 0])), ha="center", va="center", fontsize=6,
+                ax.text(j, i, ascii(self._labels(int(self.top_ids[i, j, 0])))[1:-1], ha="center", va="center", fontsize=6,
                         color="white" if vals[i, j] < 0.5 else "black")
         ax.set_yticks(range(len(self.names)), self.names, fontsize=7)
         ax.set_xticks(range(len(self.positions)), [f"{p}:{ascii(t)[1:-1]}" for p, t in zip(self.positions, self.tokens)],

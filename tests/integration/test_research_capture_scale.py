@@ -103,7 +103,7 @@ def test_the_estimate_is_exact_and_a_capture_over_budget_is_refused(ckpt, full):
     est = sess.capture(NAMES).estimate()
     assert est.bytes == everything.nbytes and est.requests == tuple(r.id for r in reqs)
     assert est.positions == sum(n + 3 for n in LENS)
-    with pytest.raises(InvalidRequestError, match=r"over its budget of .* MiB; narrow names"):
+    with pytest.raises(InvalidRequestError, match=r"over its budget of [0-9.]+ KiB; narrow names"):
         with sess.capture(NAMES, budget=est.bytes - 1):
             pass
     assert sess._engine.hook is None
