@@ -92,7 +92,7 @@ class Capture(CaptureViews):
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
             raise InvalidRequestError(f"capture: budget={budget!r}; give a number of bytes >= 0 (or None)")
         if on_step is not None and not callable(on_step):
-            raise InvalidRequestError(f"capture: on_step must be callable (CaptureSlice -> None)")
+            raise InvalidRequestError("capture: on_step must be callable (CaptureSlice -> None)")
         self.reduce, self.offload, self.budget, self.on_step = reduce, offload, budget, on_step
         self.accumulates = bool(getattr(reduce, "accumulate", False))
         self.streams = on_step is not None
