@@ -115,7 +115,8 @@ class Capture(CaptureViews):
         if requests is None:
             reqs = [r for r in self._sess.requests if not r.is_done and hooks.wants_request(self, r.id)]
         else:
-            reqs = [self._sess.request(getattr(r, "id", r)) for r in (requests if isinstance(requests, (list, tuple)) else [requests])]
+            many = requests if isinstance(requests, (list, tuple)) else [requests]
+            reqs = [self._sess.request(getattr(r, "id", r)) for r in many]
         return capture_memory.estimate(self, reqs)
 
     def __enter__(self) -> Capture:

@@ -5,7 +5,8 @@ the bytes each keeps per step.
     from qwen_npu.research.capture_bench import capture_overhead
     capture_overhead(sess, rounds=5)   # {form: {"step_s": median, "ratio": vs none, "bytes_per_step": ...}}
 
-Forms: none; every point but the scores ("*") kept on the device; the residual stream only with
+Forms: none; one small point (the cost of running with a hook at all: the unfused q/k norm and
+RoPE, the materialised residual stream); every point but the scores ("*") kept on the device; the residual stream only with
 positions="last"; "*" reduced on the device with norm(); "*" with mean_positions(); "*" offloaded
 to the host; "*" streamed to a callback that keeps nothing. ``python -m
 qwen_npu.research.capture_bench [checkpoint]`` prints the table for the 0.6B-shaped random bf16
@@ -22,6 +23,7 @@ from .reductions import mean_positions, norm
 
 FORMS = {
     "none": None,
+    "one point (the hook path alone)": dict(names="embed"),
     "all points, on device": dict(names="*"),
     "residual stream, positions='last'": dict(names="layers.*.residual", positions="last"),
     "all points, reduce=norm()": dict(names="*", reduce=norm()),

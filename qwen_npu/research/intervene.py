@@ -23,7 +23,9 @@ The prefix cache never spreads an edit, nor hides a position from it:
   capture "layers.{i}.attn.scores" inside the block instead.
 
 Edits of "final_norm" or "logits" change only the sampled tokens, never K/V, so they keep the
-request's blocks shareable. "attn.scores" is a capture point only.
+request's blocks shareable. "attn.scores" is a capture point only. A request the scheduler
+preempts after the block closed is recomputed without the edit (its tokens stay as sampled, its
+K/V become the unedited ones, and it may share them again).
 """
 from __future__ import annotations
 
