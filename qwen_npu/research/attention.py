@@ -178,6 +178,7 @@ def _side_forward(model, token_ids: list[int], layer: int) -> tuple[torch.Tensor
             got[name] = x
         elif name == stop:
             raise _Stop
+    hook.wants = (want_q, want_k, stop).__contains__       # the forward skips every other point
 
     try:
         with torch.no_grad():
