@@ -19,7 +19,7 @@ Options (all checked before the block opens):
                             non_blocking: no host sync in the step; the first read waits for it
     budget=bytes            refuse the block (estimate) or a step (exact) that would keep more
     on_step=fn              streaming: fn(CaptureSlice) per name and row as the forward reaches it;
-                            nothing is kept
+                            nothing is kept (offloaded slices: ``slice.wait()`` before reading)
 
 "final_norm" and "logits" have one row per request row that produced logits (its last token).
 "attn.scores" rows are cut to the keys the row's last chosen token sees. A request admitted inside
@@ -65,6 +65,13 @@ class CaptureSlice:
     name: str
     positions: list[int]
     tensor: torch.Tensor                # [tokens, ...] (reduced; on the host with offload="host")
+    event: object = None                # the pending host copy's event (offload="host" on a device)
+
+    def wait(self) -> torch.Tensor:
+        """The tensor once its host copy is complete (a no-op unless offloaded from a device)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensor
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -158,6 +165,7 @@ class Capture(CaptureViews):
 
     def check_step(self, plan) -> None:
         hooks.check_step(self, plan, self._seen, "capture names")
+        self._fold(drop_step=plan.index)
         if self.budget is None or self.streams:
             return
         need = 0
@@ -180,7 +188,7 @@ class Capture(CaptureViews):
             self._kept -= sum(t.nbytes for parts in self._records[key].chunks.values() for t in parts)
             del self._records[key]
         self._steps.pop(plan.index, None)
-        self._fold(keep=plan.index)
+        self._fold(drop_step=plan.index)
         self._last = {row.request.id: row.end - 1 for row in plan.rows[:plan.num_active]}
 
     def on_tensor(self, plan, name: str, x: torch.Tensor, spans) -> None:
@@ -205,17 +213,18 @@ class Capture(CaptureViews):
             snap = snap[..., :max(max(s.positions[j] for j in keep) for s, keep, _ in chosen) + 1]
         if self.reduce is not None:
             snap = self.reduce(snap)
-        elif snap.data_ptr() == x.data_ptr() or snap._base is not None:
-            snap = snap.clone()
+        if snap.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            snap = snap.clone()                 # a snapshot: the forward may reuse x's memory
         if self.accumulates:
             for s, keep, at in chosen:
                 self._pending.append((s.request_id, name, snap[at:at + len(keep)].sum(0), len(keep), plan.index))
             return
+        event = None
         if self.offload == "host" and snap.device.type != "cpu":
             host = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=self.pinned)
             host.copy_(snap, non_blocking=True)
             snap = host
-            self._event = _record_event(x.device)
+            self._event = event = _record_event(x.device)
         cut = name.endswith(".attn.scores") and self.reduce is None
         for s, keep, at in chosen:
             positions = [s.positions[j] for j in keep]
@@ -223,7 +232,7 @@ class Capture(CaptureViews):
             if cut:                             # the keys this row's tokens may see
                 part = part[..., :max(positions) + 1]
             if self.streams:
-                self.on_step(CaptureSlice(plan.index, plan.kind, s.request_id, name, positions, part))
+                self.on_step(CaptureSlice(plan.index, plan.kind, s.request_id, name, positions, part, event))
                 continue
             rec = self._records.get((plan.index, s.request_id))
             if rec is None:
@@ -233,11 +242,11 @@ class Capture(CaptureViews):
         if not self.streams:
             self._kept += snap.nbytes
 
-    def _fold(self, keep: int | None = None) -> None:
+    def _fold(self, drop_step: int | None = None) -> None:
         """Add the per-step sums of ``mean_positions`` into the totals (dropping those of a step
         being run again)."""
         for rid, name, total, n, step in self._pending:
-            if step == keep:
+            if step == drop_step:
                 continue
             got = self._sums.get((rid, name))
             if got is None:

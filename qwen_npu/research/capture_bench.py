@@ -3,7 +3,10 @@ no capture, measured interleaved (each round runs every form once, so drift hits
 the bytes each keeps per step.
 
     from qwen_npu.research.capture_bench import capture_overhead
-    capture_overhead(sess, rounds=5)   # {form: {"step_s": median, "ratio": vs none, "bytes_per_step": ...}}
+    capture_overhead(sess, rounds=5)   # {form: {"step_s", "ratio", "cpu_s", "cpu_ratio", "bytes_per_step"}}
+
+Wall time and process CPU time are both reported: on a shared host the CPU time is the steadier
+measure of the work a form adds.
 
 Forms: none; one small point (the cost of running with a hook at all: the unfused q/k norm and
 RoPE, the materialised residual stream); every point but the scores ("*") kept on the device; the residual stream only with
@@ -43,23 +46,27 @@ def capture_overhead(sess, *, batch: int = 16, prompt_len: int = 32, rounds: int
         sess.step()
     sess.step()                                                  # one unmeasured decode step
     times = {f: [] for f in FORMS}
+    cpu = {f: [] for f in FORMS}
     kept = {f: [] for f in FORMS}
     for _ in range(rounds):
         for form, opts in FORMS.items():
             if opts is None:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 sess.step()
                 times[form].append(time.perf_counter() - t0)
+                cpu[form].append(time.process_time() - c0)
                 kept[form].append(0)
                 continue
             opts = dict(opts)
             with sess.capture(opts.pop("names"), **opts) as cap:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 sess.step()
                 times[form].append(time.perf_counter() - t0)
+                cpu[form].append(time.process_time() - c0)
             kept[form].append(cap.nbytes)
-    base = statistics.median(times["none"])
+    base, base_cpu = statistics.median(times["none"]), statistics.median(cpu["none"])
     return {f: {"step_s": statistics.median(t), "ratio": statistics.median(t) / base,
+                "cpu_s": statistics.median(cpu[f]), "cpu_ratio": statistics.median(cpu[f]) / base_cpu,
                 "bytes_per_step": int(statistics.median(kept[f]))} for f, t in times.items()}
 
 
@@ -70,9 +77,10 @@ def main(argv=None) -> None:
     path = ensure_default_model(argv[0] if argv else None, log=print)
     sess = Session.from_pretrained(path, device="cpu", max_batch=16, max_model_len=256, prefix_cache=False)
     res = capture_overhead(sess)
-    print(f"{'form':40s} {'step ms':>9s} {'ratio':>6s} {'kept per step':>14s}")
+    print(f"{'form':36s} {'step ms':>9s} {'ratio':>6s} {'cpu ms':>9s} {'ratio':>6s} {'kept per step':>14s}")
     for form, r in res.items():
-        print(f"{form:40s} {1000 * r['step_s']:9.1f} {r['ratio']:6.2f} {r['bytes_per_step'] / 2**20:11.2f} MiB")
+        print(f"{form:36s} {1000 * r['step_s']:9.1f} {r['ratio']:6.2f} {1000 * r['cpu_s']:9.1f} "
+              f"{r['cpu_ratio']:6.2f} {r['bytes_per_step'] / 2**20:10.2f} MiB")
 
 
 if __name__ == "__main__":
