@@ -97,9 +97,11 @@ def direct_logit_attribution(sess, cap, request, target: int, baseline: int | No
     rid = getattr(request, "id", request)
     for t in (target, baseline):
         if t is not None and (not isinstance(t, int) or not 0 <= t < c.vocab_size):
-            raise InvalidRequestError(f"direct_logit_attribution: token {t!r} is outside the vocabulary [0, {c.vocab_size})")
+            raise InvalidRequestError(f"direct_logit_attribution: token {t!r} is outside the vocabulary "
+                                      f"[0, {c.vocab_size})")
     last = f"layers.{c.num_hidden_layers - 1}.residual"
-    needed = ["embed", last] + [f"layers.{i}.{p}" for i in range(c.num_hidden_layers) for p in ("attn.z", "mlp.out")]
+    needed = ["embed", last] + [f"layers.{i}.{p}" for i in range(c.num_hidden_layers)
+                                for p in ("attn.z", "mlp.out")]
     missing = [n for n in needed if n not in cap.names]
     if missing:
         raise InvalidRequestError(f"direct_logit_attribution needs a capture of {list(DLA_NAMES)}; "
@@ -107,14 +109,17 @@ def direct_logit_attribution(sess, cap, request, target: int, baseline: int | No
     have = cap.positions(rid, last)
     pos = have[position] if position < 0 and -len(have) <= position else position
     if pos not in have:
-        raise InvalidRequestError(f"position {position} of request {rid} is not in the capture (it holds {have})")
+        raise InvalidRequestError(f"position {position} of request {rid} is not in the capture "
+                                  f"(it holds {have})")
 
     def at(name):
         return cap.stack(name, rid)[cap.positions(rid, name).index(pos)].float().to(model.device)
 
     r = at(last)                                                               # [hidden]
     rms = torch.sqrt(r.pow(2).mean() + c.rms_norm_eps)
-    direction = model.lm_head[target].float() - (model.lm_head[baseline].float() if baseline is not None else 0)
+    direction = model.lm_head[target].float()
+    if baseline is not None:
+        direction = direction - model.lm_head[baseline].float()
     d = direction * model.norm.float() / rms                                   # [hidden]
     heads, mlp = [], []
     hd = c.head_dim

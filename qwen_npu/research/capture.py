@@ -93,10 +93,13 @@ class Capture(CaptureViews):
         self._sess = sess
         self.position_filter, self.absolute_positions = _positions(positions)
         if reduce is not None and not callable(reduce):
-            raise InvalidRequestError(f"capture: reduce must be callable (tensor -> tensor), not {type(reduce).__name__}")
+            raise InvalidRequestError(f"capture: reduce must be callable (tensor -> tensor), not "
+                                      f"{type(reduce).__name__}")
         if offload not in (None, "host"):
-            raise InvalidRequestError(f"capture: offload={offload!r}; use None (keep on the device) or 'host'")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
+            raise InvalidRequestError(f"capture: offload={offload!r}; use None (keep on the device) or "
+                                      f"'host'")
+        bad_budget = isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0
+        if budget is not None and bad_budget:
             raise InvalidRequestError(f"capture: budget={budget!r}; give a number of bytes >= 0 (or None)")
         if on_step is not None and not callable(on_step):
             raise InvalidRequestError("capture: on_step must be callable (CaptureSlice -> None)")
@@ -108,7 +111,8 @@ class Capture(CaptureViews):
         self.pinned = offload == "host" and device.type != "cpu" and _can_pin()
         self._records: dict[tuple[int, int], CaptureRecord] = {}
         self._sums: dict[tuple[int, str], list] = {}           # (request, name) -> [float32 sum, count]
-        self._pending: list[tuple[int, str, torch.Tensor, int, int]] = []   # (request, name, sum, count, step)
+        # mean_positions: (request, name, sum, count, step) of steps not yet folded into _sums
+        self._pending: list[tuple[int, str, torch.Tensor, int, int]] = []
         self._steps: dict[int, str] = {}
         self._seen: dict[int, set[int]] = {}
         self._event = None
@@ -145,7 +149,8 @@ class Capture(CaptureViews):
     def _over_budget(self, need: int, what: str) -> str:
         return (f"capture of {', '.join(self.names[:3])}{' ...' if len(self.names) > 3 else ''} would keep "
                 f"{fmt_bytes(need)} for {what}, over its budget of {fmt_bytes(int(self.budget))}; narrow "
-                f"names, requests or positions ('last', 'generated'), reduce on the device, or stream with on_step")
+                f"names, requests or positions ('last', 'generated'), reduce on the device, or stream "
+                f"with on_step")
 
     # ---- called by the step hook ---------------------------------------------------------------
     def keeps_position(self, req, p: int, step_last: int | None = None) -> bool:
@@ -217,7 +222,8 @@ class Capture(CaptureViews):
             snap = snap.clone()                 # a snapshot: the forward may reuse x's memory
         if self.accumulates:
             for s, keep, at in chosen:
-                self._pending.append((s.request_id, name, snap[at:at + len(keep)].sum(0), len(keep), plan.index))
+                total = snap[at:at + len(keep)].sum(0)
+                self._pending.append((s.request_id, name, total, len(keep), plan.index))
             return
         event = None
         if self.offload == "host" and snap.device.type != "cpu":
@@ -236,7 +242,8 @@ class Capture(CaptureViews):
                 continue
             rec = self._records.get((plan.index, s.request_id))
             if rec is None:
-                rec = self._records[(plan.index, s.request_id)] = CaptureRecord(plan.index, plan.kind, s.request_id, {}, {})
+                rec = CaptureRecord(plan.index, plan.kind, s.request_id, {}, {})
+                self._records[(plan.index, s.request_id)] = rec
             rec.chunks.setdefault(name, []).append(part)
             rec.positions.setdefault(name, []).extend(positions)
         if not self.streams:

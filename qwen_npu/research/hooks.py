@@ -116,7 +116,8 @@ def check_step(entry, plan, seen: dict[int, set[int]], what: str) -> None:
                 f"step {plan.index}: {what} positions {shown} of request {rid}, but the request already "
                 f"holds their K/V (computed before this block or taken from the prefix cache) and will "
                 f"not compute them again; add the prompt as a new request inside the block (it then "
-                f"recomputes them), or open the session with prefix_cache=False if they came from the cache")
+                f"recomputes them), open the session with prefix_cache=False if they came from the cache, "
+                f"or pass requests=[...] without request {rid}")
         seen.setdefault(rid, set()).update(p for p in wanted if row.start <= p < row.end)
 
 

@@ -119,7 +119,10 @@ def logit_lens(sess, cap, request, *, names="layers.*.residual", positions=None,
     if not isinstance(k, int) or k < 1:
         raise InvalidRequestError(f"logit_lens: k={k!r}, choose an int >= 1")
     common = sorted(set.intersection(*(set(cap.positions(rid, n)) for n in names)))
-    chosen = common if positions is None else sorted({positions} if isinstance(positions, int) else set(positions))
+    if positions is None:
+        chosen = common
+    else:
+        chosen = sorted({positions} if isinstance(positions, int) else set(positions))
     missing = sorted(set(chosen) - set(common))
     if missing or not chosen:
         raise InvalidRequestError(f"positions {missing or chosen} of request {rid} are not in the capture "

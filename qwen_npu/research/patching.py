@@ -62,7 +62,8 @@ class PatchingResult:
         """Heat map of ``restored``: names (or name/head) down, positions across."""
         from ..inspect.plots import NotebookFigure
         grid = self.restored if self.heads is None else self.restored.flatten(0, 1)
-        labels = list(self.names) if self.heads is None else [f"{n} h{h}" for n in self.names for h in self.heads]
+        labels = (list(self.names) if self.heads is None
+                  else [f"{n} h{h}" for n in self.names for h in self.heads])
         fig = NotebookFigure(figsize=(min(1.6 + 0.45 * len(self.positions), 14), 0.9 + 0.3 * len(labels)),
                              layout="constrained")
         ax = fig.subplots()
@@ -105,7 +106,8 @@ def activation_patching(sess, clean, corrupted, target: int, baseline: int | Non
     vocab = sess.model_config.vocab_size
     for t in (target, baseline):
         if t is not None and (not isinstance(t, int) or not 0 <= t < vocab):
-            raise InvalidRequestError(f"activation_patching: token {t!r} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(f"activation_patching: token {t!r} is outside the vocabulary "
+                                      f"[0, {vocab})")
     names = hooks.resolve_names(names, sess.model_config.num_hidden_layers)
     odd = [n for n in names if n in hooks.ROW_NAMES or n.endswith(".attn.scores")]
     if odd:
@@ -115,7 +117,9 @@ def activation_patching(sess, clean, corrupted, target: int, baseline: int | Non
         raise InvalidRequestError(f"heads=True needs per-head points ({', '.join(HEAD_POINTS)}); "
                                   f"{sorted(set(names) - set(per_head))[:3]} are not")
     n = len(clean_ids)
-    positions = list(range(n)) if positions is None else ([positions] if isinstance(positions, int) else list(positions))
+    if positions is None:
+        positions = list(range(n))
+    positions = [positions] if isinstance(positions, int) else list(positions)
     if not positions or any(not isinstance(p, int) or not 0 <= p < n for p in positions):
         raise InvalidRequestError(f"activation_patching: positions={positions!r}; choose ints in 0..{n - 1}")
 
