@@ -135,7 +135,7 @@ class CaptureViews:
         where = f" [{', '.join(opts)}]" if opts else ""
         return [f"Capture ({state}){where}: {shown}",
                 f"  steps {span} ({len(steps)}{': ' + how if how else ''}), requests {self.request_ids}, "
-                f"{len(self._records)} rows, {self.nbytes / 1024:.1f} KiB kept"]
+                f"{len(self._records)} rows, {self.nbytes / 1024:.1f} KiB"]
 
     def __repr__(self) -> str:
         lines = self._summary()
