@@ -296,11 +296,13 @@ class Session(SessionSteps):
         from .model.qwen3 import capture_names
         return capture_names(self.model_config.num_hidden_layers)
 
-    def capture(self, names="*", *, requests=None):
+    def capture(self, names="*", *, requests=None, positions=None, reduce=None, offload=None, budget=None,
+                on_step=None):
         """``with sess.capture(names) as cap:`` records activations (names or globs) of every step
         run inside the block, per step and request row. See ``qwen_npu.research.capture``."""
         from .research.capture import Capture
-        return Capture(self, names, requests=requests)
+        return Capture(self, names, requests=requests, positions=positions, reduce=reduce, offload=offload,
+                       budget=budget, on_step=on_step)
 
     def intervene(self, name, fn, *, requests=None, positions=None):
         """``with sess.intervene(name, fn):`` edits an activation of chosen rows in every step run

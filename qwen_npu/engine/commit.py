@@ -63,6 +63,9 @@ class Commit:
                 fn()
             if emulate:
                 faults = e.faults.apply(self.step_index, collisions, e.kv_cache, warn=False)
+        after = getattr(e.hook, "after_commit", None) if hook is not None else None
+        if after is not None:
+            after()                    # user callbacks (streamed captures), with the state whole
         if faults:
             from .faults import warn_faults
             warn_faults(faults, stacklevel=stacklevel)

@@ -90,16 +90,20 @@ class Engine:
         try:
             logits_buf, hidden_buf, out_rows = self.runner.dispatch(plan, timings, transfers, hook=hook)
             fault_point("dispatched")
-            step, commit = self._book(plan, draft, logits_buf, hidden_buf, problems, timings, transfers)
+            step, commit = self._book(plan, draft, logits_buf, hidden_buf, problems, timings, transfers,
+                                      hook)
         except BaseException:
             guard.restore()
             raise
         commit.guard = guard
         return step, commit
 
-    def _book(self, plan, draft, logits_buf, hidden_buf, problems, timings, transfers):
+    def _book(self, plan, draft, logits_buf, hidden_buf, problems, timings, transfers, hook=None):
         t0 = time.perf_counter()
         manager = draft.manager
+        private = getattr(hook, "private_requests", None)      # K/V computed under a research edit
+        for rid, why in (private() if private is not None else {}).items():
+            manager.keep_private(rid, why)
         for row in plan.rows[:plan.num_active]:
             req = row.request
             req.num_computed_tokens = row.end

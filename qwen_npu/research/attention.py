@@ -13,7 +13,9 @@ not cached. So the probabilities are rebuilt from two sources::
 
 so each row sums to 1 over the keys a query may see, and a key the cache lost or corrupted shows
 up in the pattern. ``cache_max_diff`` also reports max |K in the cache - K recomputed| for the
-layer. Nothing of the session changes: cache, ledger, step counter, history and requests stay
+layer. A request run under an edit (``sess.intervene`` before the final norm) is refused: its
+queries cannot be rebuilt from its tokens alone; capture "layers.{i}.attn.scores" inside the
+edit's block instead (the pre-softmax scores of the edited run, from the same paged keys). Nothing of the session changes: cache, ledger, step counter, history and requests stay
 as they were.
 """
 from __future__ import annotations
@@ -112,6 +114,12 @@ def attention_pattern(sess, request, layer: int, head=None, positions=None) -> A
     if not manager.has(req.id) or n == 0:
         raise InvalidRequestError(f"request {req.id} is {req.status} and holds no computed K/V in the cache; "
                                   f"call attention while it is prefilling or decoding")
+    edited = manager.private_reason(req.id)
+    if edited is not None:
+        raise InvalidRequestError(
+            f"sess.attention cannot rebuild the queries of request {req.id}: {edited}, and a side forward "
+            f"from its tokens would miss the edit; capture 'layers.{layer}.attn.scores' inside the "
+            f"intervene block instead (softmax over its last axis is the pattern)")
     if not isinstance(layer, int) or not 0 <= layer < mc.num_hidden_layers:
         raise InvalidRequestError(f"layer={layer!r}: choose an int in 0..{mc.num_hidden_layers - 1}")
     heads = tuple(range(mc.num_attention_heads)) if head is None else (
@@ -170,6 +178,7 @@ def _side_forward(model, token_ids: list[int], layer: int) -> tuple[torch.Tensor
             got[name] = x
         elif name == stop:
             raise _Stop
+    hook.wants = (want_q, want_k, stop).__contains__       # the forward skips every other point
 
     try:
         with torch.no_grad():
