@@ -29,12 +29,20 @@ class _ForwardPoints:
         def hook(name, x):
             self.on_point("fwd:" + name)
             return inner(name, x) if inner is not None else None
+        private = getattr(inner, "private_requests", None)
+        if private is not None:
+            hook.private_requests = private
         return hook
 
     def commit_step(self, index):
         publish = getattr(self.inner, "commit_step", None)
         if publish is not None:
             publish(index)
+
+    def after_commit(self):
+        deliver = getattr(self.inner, "after_commit", None)
+        if deliver is not None:
+            deliver()
 
 
 @contextlib.contextmanager
