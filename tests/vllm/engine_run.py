@@ -42,8 +42,8 @@ class Injector:
 
     def apply(self, runner, guard):
         from vllm.forward_context import get_forward_context
-        if self.done or runner.__dict__.get("_qwen_npu_step") != "pending":
-            return
+        if self.done or (guard is not None and runner.__dict__.get("_qwen_npu_step") != "pending"):
+            return                     # with the guard on: only real steps, just before its check
         batch, table = runner.input_batch, runner.input_batch.block_table[0]
         rows = batch.num_reqs
         ids = list(batch.req_ids[:rows])
@@ -81,7 +81,7 @@ class Injector:
                     break
         if hit:
             self.done = True
-            self.record = {"fault": self.fault, "step": guard.steps_checked, "check": hit[0],
+            self.record = {"fault": self.fault, "step": guard.steps_checked if guard else None, "check": hit[0],
                            "request_ids": hit[1]}
 
 
