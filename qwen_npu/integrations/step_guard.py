@@ -99,10 +99,9 @@ class StepGuard:
             self.steps_checked += 1
             n = int(step.query_start_loc[-1])
             rows = len(step.request_ids)
-            bpr = torch.from_numpy(np.ascontiguousarray(step.blocks_per_row[:rows], dtype=np.int64))
-            tok_rows = torch.from_numpy(np.repeat(np.arange(rows), np.diff(step.query_start_loc[:rows + 1])))
             dev = step.slot_mapping.device
-            bpr, tok_rows = bpr.to(dev, non_blocking=True), tok_rows.to(dev, non_blocking=True)
+            bpr = _to(np.ascontiguousarray(step.blocks_per_row[:rows], dtype=np.int64), dev)
+            tok_rows = _to(np.repeat(np.arange(rows), np.diff(step.query_start_loc[:rows + 1])), dev)
             tables = step.block_tables[:rows]
             holders = count_holders(tables, bpr, step.num_blocks)
             mask = screen_slot_mapping(step.slot_mapping, step.positions, tok_rows, tables, bpr,
@@ -193,6 +192,12 @@ def describe(index: int, step: StepInputs, n: int, holders: torch.Tensor) -> lis
     writes = StepWrites(index, kind, len(ids), rows, ids, row_pos, row_slots, row_tables)
     return check_step_writes(writes, block_size=step.block_size, num_blocks=step.num_blocks,
                              ref_count=lambda b: counts[b] if 0 <= b < len(counts) else 0)
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; to an accelerator through pinned memory, so the copy never waits."""
+    t = torch.from_numpy(array)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def _frozen(step: StepInputs, n: int) -> StepInputs:

@@ -169,7 +169,9 @@ def main():
         print("RESULT " + json.dumps(result), flush=True)
         if error:
             break
-    os._exit(0)                        # skip vLLM's slow teardown; everything is printed
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+        os._exit(0)                    # skip vLLM's slow teardown; everything is printed
+    llm.llm_engine.engine_core.shutdown()   # the engine core process exits (and logs) normally
 
 
 if __name__ == "__main__":

@@ -66,6 +66,12 @@ def register() -> None:
         say_once("version", f"vLLM {version} is not supported (0.32.x; 0.27-0.32 with vllm-ascend); "
                             f"not checking anything")
         return
+    if not log.handlers and not logging.getLogger().handlers:   # vLLM configures only its own logger
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     if _guard is None:
         _guard = StepGuard(mode, log_path=os.environ.get(LOG_ENV) or None)
         atexit.register(_at_exit)

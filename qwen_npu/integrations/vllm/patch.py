@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import logging
 import sys
 
 from ...errors import SlotCollisionError
@@ -111,6 +112,8 @@ def _check(runner, steps_of) -> None:
         runner._qwen_npu_off = True
         say_once("read", f"cannot read the step from {type(runner).__name__} ({exc!r}); guard off")
         return
+    say_once("on", f"checking every step of {type(runner).__name__} before its forward "
+                   f"(mode {guard.mode}, vLLM {_state['version']})", logging.INFO)
     for step in steps:
         if isinstance(step, str):
             say_once("skip-" + step, step)
