@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -42,7 +43,6 @@ class StepInputs:
     blocks_per_row: np.ndarray             # [>= rows] host ints: leading table entries the row holds
     block_size: int
     num_blocks: int                        # blocks in the cache (slots = num_blocks * block_size)
-    note: str = ""                         # engine words for the message header, e.g. "vLLM step"
 
 
 @dataclass
@@ -75,13 +75,14 @@ class StepGuard:
     """`mode`: "warn" (log each problem), "count" (count only) or "raise" (SlotCollisionError).
 
     `log_path`: also append one JSON line per step with problems. `counts`: problems per check;
-    `steps_checked`; `reports`: the last `keep` StepReports.
+    `steps_checked`; `seconds` (host time in `check`); `reports`: the last `keep` StepReports.
     """
 
     mode: str = "warn"
     log_path: str | None = None
     keep: int = 100
     steps_checked: int = 0
+    seconds: float = 0.0               # host time spent in `check` (screening and reporting)
     counts: Counter = field(default_factory=Counter)
     reports: list[StepReport] = field(default_factory=list)
     _pending: list[_Pending] = field(default_factory=list)
@@ -93,34 +94,43 @@ class StepGuard:
 
     def check(self, step: StepInputs) -> None:
         """Screen one step before its forward; report it now (host tensors) or on a later call."""
-        with self._lock:
-            self._drain(wait=False)
-            index = self.steps_checked
-            self.steps_checked += 1
-            n = int(step.query_start_loc[-1])
-            rows = len(step.request_ids)
-            dev = step.slot_mapping.device
-            bpr = _to(np.ascontiguousarray(step.blocks_per_row[:rows], dtype=np.int64), dev)
-            tok_rows = _to(np.repeat(np.arange(rows), np.diff(step.query_start_loc[:rows + 1])), dev)
-            tables = step.block_tables[:rows]
-            holders = count_holders(tables, bpr, step.num_blocks)
-            mask = screen_slot_mapping(step.slot_mapping, step.positions, tok_rows, tables, bpr,
-                                       block_size=step.block_size, num_blocks=step.num_blocks,
-                                       num_real_tokens=n, holders=holders)
-            snapshot = (step, n, holders)
-            if dev.type == "cpu":
-                if bool(mask.any()):
-                    self._report(index, snapshot, late=False)
-                return
-            # accelerator: keep what the description needs, read the verdict back without waiting
-            snapshot = (_frozen(step, n), n, holders)
-            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            flag.copy_(mask.any(), non_blocking=True)
-            event = getattr(torch, dev.type).Event()
-            event.record()
-            self._pending.append(_Pending(index, flag, event, snapshot))
-            if len(self._pending) > MAX_PENDING:
-                self._drain(wait=True, only_oldest=True)
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                self._check(step)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _check(self, step: StepInputs) -> None:
+        self._drain(wait=False)
+        index = self.steps_checked
+        self.steps_checked += 1
+        n = int(step.query_start_loc[-1])
+        rows = len(step.request_ids)
+        dev = step.slot_mapping.device
+        held = np.ascontiguousarray(step.blocks_per_row[:rows], dtype=np.int64)
+        width = max(1, int(held.max())) if rows else 1          # only the columns some row holds
+        bpr = _to(held, dev)
+        tok_rows = _to(np.repeat(np.arange(rows), np.diff(step.query_start_loc[:rows + 1])), dev)
+        tables = step.block_tables[:rows, :width]
+        holders = count_holders(tables, bpr, step.num_blocks)
+        mask = screen_slot_mapping(step.slot_mapping, step.positions, tok_rows, tables, bpr,
+                                   block_size=step.block_size, num_blocks=step.num_blocks,
+                                   num_real_tokens=n, holders=holders)
+        snapshot = (step, n, holders)
+        if dev.type == "cpu":
+            if bool(mask.any()):
+                self._report(index, snapshot, late=False)
+            return
+        # accelerator: keep what the description needs, read the verdict back without waiting
+        snapshot = (_frozen(step, n), n, holders)
+        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        flag.copy_(mask.any(), non_blocking=True)
+        event = getattr(torch, dev.type).Event()
+        event.record()
+        self._pending.append(_Pending(index, flag, event, snapshot))
+        if len(self._pending) > MAX_PENDING:
+            self._drain(wait=True, only_oldest=True)
 
     def flush(self) -> None:
         """Wait for and report every verdict still in flight (call at shutdown)."""
@@ -129,9 +139,9 @@ class StepGuard:
 
     def summary(self) -> str:
         if not self.counts:
-            return f"slot guard: {self.steps_checked} steps checked, no problems"
+            return f"slot guard: {self.steps_checked} steps checked in {self.seconds:.2f} s, no problems"
         parts = ", ".join(f"{c} {k}" for k, c in sorted(self.counts.items()))
-        return f"slot guard: {self.steps_checked} steps checked, problems: {parts}"
+        return f"slot guard: {self.steps_checked} steps checked in {self.seconds:.2f} s, problems: {parts}"
 
     # ------------------------------------------------------------------------------ internals
 
@@ -206,4 +216,4 @@ def _frozen(step: StepInputs, n: int) -> StepInputs:
     return StepInputs(list(step.request_ids), np.array(step.query_start_loc[:rows + 1]),
                       step.slot_mapping.clone(), step.positions[:step.slot_mapping.shape[0]].clone(),
                       step.block_tables[:rows].clone(), np.array(step.blocks_per_row[:rows]),
-                      step.block_size, step.num_blocks, step.note)
+                      step.block_size, step.num_blocks)

@@ -139,7 +139,7 @@ def test_an_unsupported_version_does_nothing_and_says_so_once(fake_engine, monke
 def test_ascend_runner_steps_are_checked_before_the_forward(fake_engine, monkeypatch):
     monkeypatch.setenv("QWEN_NPU_VLLM_GUARD", "raise")
     plugin.register()
-    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner   # patched on import
+    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner  # patched on import
     runner = NPUModelRunner(step())
     assert runner.execute_model(None) == 8
     assert plugin.guard().steps_checked == 1 and not plugin.guard().reports

@@ -5,7 +5,6 @@ are skipped, except under CI=true, where a missing venv fails them: CI must run 
 """
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,9 @@ def vllm_python():
     if not python.exists():
         problem = f"no vLLM venv at {venv} (make it with .ci/setup-vllm)"
     else:
-        probe = subprocess.run([str(python), "-c", "import vllm, qwen_npu.integrations.vllm as g, sys; "
-                                "print(vllm.__version__, g.__file__)"],
-                               capture_output=True, text=True, timeout=300)
+        code = "import vllm, qwen_npu.integrations.vllm as g; print(vllm.__version__, g.__file__)"
+        probe = subprocess.run([str(python), "-c", code], check=False, capture_output=True, text=True,
+                               timeout=300)
         if probe.returncode != 0:
             problem = f"{python} cannot import vllm and qwen_npu: {probe.stderr[-2000:]}"
         elif not probe.stdout.split()[0].startswith("0.32."):

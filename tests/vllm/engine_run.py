@@ -12,13 +12,12 @@ injected into the runner; QWEN_NPU_VLLM_GUARD chooses the mode (unset: guard off
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from qwen_npu.workloads import custom, mixed, seed_like  # noqa: E402
+from qwen_npu.workloads import custom, mixed, seed_like
 
 FAULTS = ("copy_row0", "off_by_one", "past_blocks", "padding_slot0", "shared_block")
 
@@ -156,7 +155,7 @@ def main():
             outs = run(work)
             seconds = time.perf_counter() - t
             assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, work))
-        except Exception as exc:      # raise mode: the guard's error, as vLLM surfaces it
+        except Exception as exc:  # noqa: BLE001 - raise mode: the guard's error, as vLLM surfaces it
             error, cause = "", exc
             while cause is not None and len(error) < 20000:
                 error += f"{type(cause).__name__}: {cause}\n"

@@ -5,8 +5,9 @@ One engine (a tiny Qwen3, eager mode, the guard in count mode) serves, in turn: 
 copies of a 128-token prompt, 16 new tokens each), then one small run per injected fault, and last
 one fault with the guard switched to raise.
 """
-import pytest
+import re
 
+import pytest
 from vllm_kit import run_engine
 
 FAULTS = {   # fault -> the check that must name the injected request ids
@@ -60,7 +61,19 @@ def test_raise_mode_stops_the_bad_step_with_a_slot_collision_error(engine):
 
 
 def test_without_the_environment_variable_the_plugin_does_nothing(vllm_python, vllm_ckpt):
-    results, proc = run_engine(vllm_python, vllm_ckpt, ["copy_row0"], guard=None)
+    results, _ = run_engine(vllm_python, vllm_ckpt, ["copy_row0"], guard=None)
     r = results["copy_row0"]
     assert r["steps"] is None and r["reports"] is None     # no guard was created
     assert r["injected"] is not None and r["error"] is None  # the fault ran, unreported
+
+
+def test_vllm_loads_the_plugin_itself_in_its_engine_process(vllm_python, vllm_ckpt):
+    """Default multiprocessing: the engine core is a spawned process that loads the entry point."""
+    results, proc = run_engine(vllm_python, vllm_ckpt, ["mixed"], scale=0.1,
+                               env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert results["mixed"]["error"] is None
+    assert results["mixed"]["steps"] == [0, 0]          # this process only launched the engine
+    err = proc.stderr
+    assert "qwen_npu slot guard: checking every step of CPUModelRunner before its forward" in err
+    m = re.search(r"qwen_npu slot guard: (\d+) steps checked in [\d.]+ s, no problems", err)
+    assert m and int(m.group(1)) >= 10, err[-3000:]

@@ -15,8 +15,8 @@ def run_engine(python, ckpt, scenarios, *, guard="count", scale=0.25, timeout=90
     if guard:
         e["QWEN_NPU_VLLM_GUARD"] = guard
     proc = subprocess.run([python, str(HERE / "engine_run.py"), str(ckpt), ",".join(scenarios),
-                           "--scale", str(scale), "--eager"], capture_output=True, text=True,
-                          timeout=timeout, env=e)
+                           "--scale", str(scale), "--eager"], check=False, capture_output=True,
+                          text=True, timeout=timeout, env=e)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

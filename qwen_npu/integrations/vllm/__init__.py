@@ -84,6 +84,6 @@ def _at_exit() -> None:
         return
     try:
         _guard.flush()
-    except Exception as exc:  # raise mode at exit: report, never mask the interpreter's exit
+    except Exception as exc:  # noqa: BLE001 - raise mode at exit: report, never mask the exit
         log.error("qwen_npu slot guard: %s", exc)
     log.warning("qwen_npu %s", _guard.summary())

@@ -21,7 +21,7 @@ def vllm_steps(runner) -> list:
     by_layer = get_forward_context().slot_mapping
     if not isinstance(by_layer, dict):
         return ["micro-batched steps (a list of slot mappings) are not checked"]
-    return _steps(runner, lambda layer: by_layer.get(layer), "vLLM")
+    return _steps(runner, lambda layer: by_layer.get(layer))
 
 
 def ascend_steps(runner) -> list:
@@ -29,10 +29,10 @@ def ascend_steps(runner) -> list:
     meta = get_forward_context().attn_metadata
     if not isinstance(meta, dict):
         return ["micro-batched steps (a list of attention metadata) are not checked"]
-    return _steps(runner, lambda layer: getattr(meta.get(layer), "slot_mapping", None), "vllm-ascend")
+    return _steps(runner, lambda layer: getattr(meta.get(layer), "slot_mapping", None))
 
 
-def _steps(runner, slot_mapping_of, engine: str) -> list:
+def _steps(runner, slot_mapping_of) -> list:
     config = runner.kv_cache_config
     batch = runner.input_batch
     rows = int(batch.num_reqs)
@@ -61,5 +61,5 @@ def _steps(runner, slot_mapping_of, engine: str) -> list:
         num_slots = int(config.num_blocks) * int(spec.block_size)
         out.append(StepInputs(req_ids, qsl, slots, positions, table.block_table.gpu,
                               table.num_blocks_per_row, int(table.block_size),
-                              num_slots // int(table.block_size), note=engine))
+                              num_slots // int(table.block_size)))
     return out
