@@ -54,16 +54,17 @@ def screen_slot_mapping(slot_mapping: torch.Tensor, positions: torch.Tensor, tok
     s, w = slots[:n], writes[:n]
     if n:
         rows, pos = token_rows[:n].long(), positions[:n].long()
-        tables = block_tables.long()
+        width = block_tables.shape[1]
         j = torch.div(pos, block_size, rounding_mode="floor")
         inside = (j >= 0) & (j < blocks_per_row.long()[rows])
-        want = tables[rows, j.clamp(0, tables.shape[1] - 1)] * block_size + pos.remainder(block_size)
+        entry = block_tables.reshape(-1)[rows * width + j.clamp(0, width - 1)].long()   # 1-D gather
+        bad = (entry * block_size + pos.remainder(block_size) != s) | ~inside
         beyond = s >= num_blocks * block_size
-        bad = w & (beyond | ~inside | (want != s))
+        bad |= beyond
         if holders is not None:
-            bad |= w & ~beyond & (holders[torch.div(s, block_size, rounding_mode="floor")
-                                          .clamp(0, num_blocks - 1)] > 1)
-        flagged[:n] = bad
+            block = torch.div(s, block_size, rounding_mode="floor").clamp(0, num_blocks - 1)
+            bad |= ~beyond & (holders[block] > 1)
+        flagged[:n] = bad & w
     flagged |= _duplicates(slots, writes)
     return flagged
 

@@ -2,7 +2,7 @@
 
 usage (with the python of the venv .ci/setup-vllm makes):
     python engine_run.py MODEL_DIR SCENARIO[,SCENARIO...] [--scale S] [--eager]
-SCENARIO: mixed | seed (a shared workload, scaled by S) | a fault name (injected once into a small
+SCENARIO: mixed | seed (a shared workload, scaled by S, or by X with NAME@X) | a fault name (injected once into a small
 run) | raise:FAULT (the guard switched to raise mode first; put it last). One engine serves them
 all in turn; each prints a JSON line starting with "RESULT ": the guard's steps for it, its
 reports, the injected fault (step, check, request ids), the generate() seconds and any error.
@@ -84,6 +84,14 @@ class Injector:
                            "request_ids": hit[1]}
 
 
+def shares_blocks(runner):
+    """1 when two rows of the step hold one block (a shared prefix), else 0."""
+    table = runner.input_batch.block_table[0]
+    rows = runner.input_batch.num_reqs
+    held = [b for r in range(rows) for b in table.block_table.gpu[r, :int(table.num_blocks_per_row[r])].tolist()]
+    return int(len(held) != len(set(held)))
+
+
 def pad_once(cls, injector):
     """For padding_slot0: make one decode step run padded by two tokens, as a graph-captured batch is."""
     orig = cls._determine_batch_execution_and_padding
@@ -117,11 +125,13 @@ def main():
               enable_prefix_caching=True, enforce_eager=a.eager)
     guard = plugin.guard()
     inner = GPUModelRunner._model_forward                # the guard's wrapper: a fault goes in first
-    armed = {"injector": None}
+    armed = {"injector": None, "sharing": 0}
 
     def faulty(self, *args, **kwargs):
         if armed["injector"] is not None:
             armed["injector"].apply(self, guard)
+        elif self.__dict__.get("_qwen_npu_step") == "pending":
+            armed["sharing"] += shares_blocks(self)
         return inner(self, *args, **kwargs)
 
     GPUModelRunner._model_forward = faulty
@@ -133,6 +143,8 @@ def main():
 
     run([(workload("mixed", 0.1)[0][0][:32], 4)])         # warm-up
     for name in a.scenarios.split(","):
+        name, _, scale = name.partition("@")
+        scale = float(scale) if scale else a.scale
         mode, _, fault = name.rpartition(":")
         if guard is not None and mode:
             guard.mode = mode
@@ -140,6 +152,8 @@ def main():
         if fault == "padding_slot0":
             pad_once(GPUModelRunner, injector)
         first = guard.steps_checked if guard else 0
+        armed["sharing"] = 0
+        spent = guard.seconds if guard else 0.0
         error, seconds = None, None
         try:
             if fault == "shared_block":   # a cached 2-block prefix, then live requests sharing it
@@ -150,7 +164,7 @@ def main():
             elif fault in FAULTS:
                 work = workload("mixed", 0.1)
             else:
-                work = workload(fault, a.scale)
+                work = workload(fault, scale)
             t = time.perf_counter()
             outs = run(work)
             seconds = time.perf_counter() - t
@@ -164,6 +178,8 @@ def main():
         result = {"scenario": name, "seconds": seconds, "error": error,
                   "injected": injector.record if injector else None,
                   "steps": [first, guard.steps_checked] if guard else None,
+                  "guard_seconds": guard.seconds - spent if guard else None,
+                  "steps_sharing_blocks": armed["sharing"],
                   "reports": [r.to_json() for r in guard.reports if r.step >= first] if guard else None}
         print("RESULT " + json.dumps(result), flush=True)
         if error:
