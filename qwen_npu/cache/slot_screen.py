@@ -13,7 +13,13 @@ Same rules as `check_step_writes`, token by token (slot -1, and any negative slo
 - outside the row's blocks / wrong slot: with j = position // block_size, the token must have
   0 <= j < blocks_per_row[row] and slot == block_tables[row, j] * block_size + position % block_size;
 - duplicate: two writing tokens share a slot;
-- shared block: the written block is held by more than one row (`holders`, see `count_holders`).
+- shared block: the written block is held by more than one row (`holders`, see `count_holders`),
+  and no token of this step writes it at its expected slot. A block that a token does write at its
+  expected slot is being filled by this step; a serving engine may already have handed it to other
+  rows of the same step as a prefix hit (vLLM registers a block's prefix hash when it allocates
+  it), which is safe because every layer writes the step's K/V before its attention reads them.
+  The screen sets such blocks' `holders` count to 1 in place, so a description made with the same
+  `holders` (as `ref_count`) applies the same rule.
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ def screen_slot_mapping(slot_mapping: torch.Tensor, positions: torch.Tensor, tok
     `slot_mapping`: [tokens] (the padded tail included); `positions`, `token_rows`: at least
     `num_real_tokens` entries (the row of each real token); `block_tables`: [rows, max_blocks];
     `blocks_per_row`: [rows], how many leading table entries the row holds; `holders`: the
-    `count_holders` of the live rows, or None to skip the shared-block check.
+    `count_holders` of the live rows (updated in place, see above), or None to skip the shared-block
+    check.
     """
     if block_size < 1 or num_blocks < 1:
         raise ValueError(f"block_size and num_blocks must be >= 1, got {block_size} and {num_blocks}")
@@ -63,6 +70,9 @@ def screen_slot_mapping(slot_mapping: torch.Tensor, positions: torch.Tensor, tok
         bad |= beyond
         if holders is not None:
             block = torch.div(s, block_size, rounding_mode="floor").clamp(0, num_blocks - 1)
+            held = holders[block]
+            fills = torch.where(w & ~bad, torch.ones_like(held), held)    # no mask indexing: no sync
+            holders.scatter_reduce_(0, block, fills, reduce="amin")     # blocks this step fills: 1
             bad |= ~beyond & (holders[block] > 1)
         flagged[:n] = bad & w
     flagged |= _duplicates(slots, writes)

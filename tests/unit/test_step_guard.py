@@ -94,6 +94,19 @@ def test_a_write_into_a_block_another_row_holds_is_a_shared_block_problem():
     assert shared.request_ids == ("req-1",) and shared.block == 1
 
 
+def test_a_block_filled_this_step_may_already_be_another_rows_prefix():
+    """vLLM hands a block to later rows of the same step as a prefix hit while row 0 computes it."""
+    tables = [[1, 2, 3, 4], [1, 9, 10, 11], [1, 12, 13, 14]]
+    step, n = good_step(lens=(4, 1, 1), computed=(0, 4, 4), pad=0, tables=tables)
+    assert step.slot_mapping[:4].tolist() == [4, 5, 6, 7]        # row 0 fills block 1
+    mask, problems = screen(step, n)
+    assert not mask.any() and problems == []
+    step.slot_mapping[4] = 1 * BS + 1                            # row 1 writes into it as well: wrong
+    mask, problems = screen(step, n)
+    assert mask.tolist() == [False, True, False, False, True, False]
+    assert "duplicate" in [q.check for q in problems]
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_the_screen_flags_exactly_the_tokens_the_checker_names(data):
