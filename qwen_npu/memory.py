@@ -128,7 +128,7 @@ class MemoryReport:
 
 
 def memory_report(sess) -> MemoryReport:
-    engine, cfg = sess._engine, sess.config
+    engine, cfg = sess.state.engine, sess.config
     pool = engine.manager.pool
     kv = engine.kv_cache
     block_bytes = kv.nbytes // max(kv.num_blocks, 1)
@@ -162,8 +162,20 @@ class ClosedSession:
 
 def close_session(sess) -> None:
     """Free the session's device memory (weights, KV cache, buffers, live logits). Idempotent.
-    Forked branches share the engine, so they are closed with it."""
+    Closing the session that owns the cache closes every branch forked from it with it; closing
+    a fork (``branch.close()``) aborts only that branch's requests and frees only their blocks."""
     if getattr(sess, "_closed", False):
+        return
+    if not getattr(sess, "_owns_engine", True):
+        from .research.fork import close_branch
+        close_branch(sess)                 # a branch frees only its own requests' blocks
+        for step in sess.history:
+            step.hidden = None
+        sess.history.clear()
+        sess._generators.clear()
+        closed = ClosedSession()
+        sess._engine = sess._scheduler = sess.model = closed
+        sess._closed = True
         return
     engine, model = sess._engine, sess.model
     dev = model.device

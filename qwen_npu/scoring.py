@@ -1,9 +1,11 @@
 """``sess.score(prompt, continuation)``: per-token log-probabilities of a given text.
 
 The continuation is teacher-forced through the session's own steps: a fresh request holds the
-prompt, its prefill runs as usual (``sess.prefill([req])``), and then each continuation token
-is forced with ``sample(force=...)`` and fed back by a decode step that dispatches only that
-request. Its log-probability is recorded on the device at the token-id copy
+prompt, its prefill runs as usual, and then each continuation token is forced at sampling and
+fed back by a decode step that dispatches only that request. Each step is one transaction
+(forward and forced sample together); a score interrupted part way aborts its request, so no
+half-scored request is left for later steps. The score request is greedy and draws no seed,
+so scoring never shifts the seeds of later unseeded requests. Its log-probability is recorded on the device at the token-id copy
 (``SamplingParams(logprobs=0)``). Other requests are not touched: no step of theirs runs, nothing
 is preempted (a score that would need that is refused up front), and the score request ends
 finished in ``sess.requests`` like any other.
@@ -15,13 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import torch
 
 from .engine.engine import check_not_pending
 from .engine.request import DECODING, PREFILLING, WAITING, Request, SamplingParams
-from .engine.undo import SchedulingUndo
 from .errors import InvalidRequestError, OutOfBlocksError
 
 
@@ -54,18 +54,27 @@ class ScoreResult:
 
 def score(sess, prompt, continuation, *, include_prompt: bool = False) -> ScoreResult:
     """Score ``continuation`` (text or token ids) after ``prompt`` (text, token ids or chat messages)."""
-    check_not_pending(sess.last_step, "score")
+    view = sess.state
+    check_not_pending(sess.last_step, "score", view.requests)
     prompt_ids, _, _ = sess._prepare(prompt, SamplingParams(max_new_tokens=1))
     cont = _continuation_ids(sess, continuation)
     ids, forced = (prompt_ids[:1], prompt_ids[1:] + cont) if include_prompt else (prompt_ids, cont)
     sampling = SamplingParams(max_new_tokens=len(forced), ignore_eos=True, stop_token_ids=(), logprobs=0)
     ids, text, sampling = sess._prepare(ids, sampling)
     _check_room(sess, len(ids) + len(forced))
-    req = sess._add(ids, text, sampling)
-    while not req.is_done:
-        step = sess.prefill([req]) if req.status in (WAITING, PREFILLING) else _decode_alone(sess, req)
-        if step.logits is not None:
-            sess.sample(step, force={req.id: forced[len(req.output_token_ids)]})
+    req = sess._add(ids, text, sampling, draw_seed=False)      # greedy: later seeds stay as they were
+    try:
+        while not req.is_done:
+            force = {req.id: forced[len(req.output_token_ids)]}
+            if req.status in (WAITING, PREFILLING):
+                sess._transact(lambda d: ("prefill", sess._scheduler.prefill_rows(d, sess.requests, [req])),
+                               "score", sample=True, force=force)
+            else:
+                sess._transact(lambda d: _decode_alone(d, req), "score", sample=True, force=force)
+    except BaseException:
+        if not req.is_done:                 # each step was a transaction; the score as a whole ends here
+            sess.abort(req)
+        raise
     start = len(ids)
     return ScoreResult(req.id, tuple(forced), tuple(range(start, start + len(forced))),
                        tuple(lp.logprob for lp in req.logprobs), len(prompt_ids))
@@ -97,7 +106,7 @@ def _continuation_ids(sess, continuation) -> list[int]:
 
 def _check_room(sess, num_tokens: int) -> None:
     """Refuse a score that would have to preempt another request or exceed the batch."""
-    manager = sess._engine.manager
+    manager = sess.state.manager
     need = -(-num_tokens // sess.config.block_size)
     if need > manager.num_free_blocks:
         raise OutOfBlocksError(f"score needs {need} free blocks for {num_tokens} tokens but only "
@@ -108,9 +117,8 @@ def _check_room(sess, num_tokens: int) -> None:
                                   f"taken by running requests; finish or abort one first")
 
 
-def _decode_alone(sess, req: Request):
-    """A decode step that dispatches ``req`` only (its block was reserved by ``_check_room``)."""
-    t0, undo = time.perf_counter(), SchedulingUndo(sess._engine.manager, [req])
-    if not sess._engine.manager.allocate(req.id, req.num_tokens):
+def _decode_alone(draft, req: Request):
+    """Plan a decode step that dispatches ``req`` only (its block was reserved by ``_check_room``)."""
+    if not draft.manager.allocate(req.id, req.num_tokens):
         raise OutOfBlocksError(f"score: no free block for request {req.id}")   # not after _check_room
-    return sess._run("decode", [(req, 1)], t0, undo)
+    return "decode", [(draft.of(req), 1)]

@@ -4,13 +4,14 @@
     sess.step()      = schedule + run + sample one step
     sess.generate()  = step() until the given prompts finish (continuous batching)
 
-Every step is refused with a clear error, before any state changes, when it cannot run.
+Every step is a transaction (see ``engine/transaction.py``): it is planned on a draft, checked,
+dispatched, and only then committed with plain assignments. A step refused or interrupted
+before its commit — by an error, Ctrl-C or a warning turned into an error — changes nothing.
 """
 from __future__ import annotations
 
 import collections
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -21,19 +22,19 @@ from .engine import sampler
 from .engine.admission import prepare_request
 from .engine.engine import Engine, check_not_pending
 from .engine.outputs import StepResult
-from .engine.plan import build_plan
-from .engine.request import ABORTED, DECODING, PREFILLING, WAITING, Completion, Request, SamplingParams
+from .engine.request import ABORTED, Completion, Request, SamplingParams
 from .engine.scheduler import Scheduler
-from .engine.undo import SchedulingUndo
+from .engine.transaction import deferred_interrupts
 from .errors import InvalidRequestError
 from .loading import load_session
 from .model.qwen3 import Qwen3Model
+from .session_steps import SessionSteps
 from .tokenizer import Tokenizer
 
 HISTORY = 256
 
 
-class Session:
+class Session(SessionSteps):
     """One model, its paged KV cache and its requests. Create with ``Session.from_pretrained``."""
 
     def __init__(self, model: Qwen3Model, config: SessionConfig, *, path: Path | None = None,
@@ -43,13 +44,16 @@ class Session:
         self.path = path
         self.tokenizer = tokenizer
         self.model = model
+        self._owns_engine = engine is None
         self._engine = engine if engine is not None else Engine(model, config)   # shared by forks
-        self._scheduler = Scheduler(self._engine.manager, max_batch=config.max_batch,
-                                    chunk_size=config.chunk_size)
+        self._scheduler = Scheduler(max_batch=config.max_batch, chunk_size=config.chunk_size)
         self._init_state()
 
     def _init_state(self) -> None:
-        self._requests: dict[int, Request] = {}
+        if hasattr(self, "_requests"):
+            self._requests.clear()       # the same dict: a fork's finalizer watches it
+        else:
+            self._requests: dict[int, Request] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._step_index = 0
         self._seed_rng = random.Random(0)
@@ -84,18 +88,36 @@ class Session:
         return prepare_request(prompt, sampling, self.model_config, self.config, self.tokenizer,
                                where=str(self.path), chat_kwargs=chat_kwargs)
 
-    def _add(self, ids: list[int], text: str | None, sampling: SamplingParams) -> Request:
-        rid = self._engine.new_request_id()
+    def _add(self, ids: list[int], text: str | None, sampling: SamplingParams, *,
+             draw_seed: bool = True) -> Request:
+        """Add a validated request. ``draw_seed=False``: a greedy request that must not shift the
+        seeds later unseeded requests draw (``score``)."""
+        self._engine.collect_dropped()
+        rid = self._engine.next_request_id
+        req = self._new_request(rid, ids, text, sampling)
+        rng = self._seed_rng.getstate()
+        try:
+            seed = sampling.seed
+            if seed is None and draw_seed:
+                seed = self._seed_rng.getrandbits(63)
+            gen = None if sampling.greedy else sampler.new_generator(self.model.device, seed or 0)
+        except BaseException:
+            self._seed_rng.setstate(rng)
+            raise
+        with deferred_interrupts():
+            self._engine.next_request_id = rid + 1
+            if gen is not None:
+                self._generators[rid] = gen
+            self._requests[rid] = req
+        return req
+
+    def _new_request(self, rid: int, ids: list[int], text: str | None, sampling: SamplingParams) -> Request:
+        """A Request object for this session; changes nothing."""
         eos = () if sampling.ignore_eos else self.model_config.eos_token_ids
         stops = frozenset(sampling.stop_token_ids if sampling.stop_token_ids is not None else eos)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        req = Request(rid, ids, sampling, stops, block_table=self._engine.manager.block_table,
-                      decode=decode, prompt_text=text)
-        seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
-        if not sampling.greedy:
-            self._generators[rid] = sampler.new_generator(self.model.device, seed)
-        self._requests[rid] = req
-        return req
+        return Request(rid, ids, sampling, stops, block_table=self._engine.manager.block_table,
+                       decode=decode, prompt_text=text)
 
     @property
     def requests(self) -> list[Request]:
@@ -110,6 +132,7 @@ class Session:
 
     def abort(self, req) -> None:
         """Stop a request wherever it is and free its blocks."""
+        self._engine.collect_dropped()
         req = self.request(req.id if isinstance(req, Request) else req)
         if req.is_done:
             raise InvalidRequestError(f"request {req.id} already {req.status}")
@@ -118,119 +141,19 @@ class Session:
     def reset(self) -> None:
         """Forget every request and step; empty the cache (back to the state after loading).
         A forked Session (sharing its cache) only aborts its own requests and forgets its steps."""
+        self._engine.collect_dropped()
         if self._engine.branches is not None:
             from .research.fork import reset_branch
             if reset_branch(self):
                 return
-        self._engine.reset()
-        self._init_state()
+        with deferred_interrupts():
+            self._engine.reset()
+            self._init_state()
 
     # ---- steps ----------------------------------------------------------------------------------------
     @property
     def last_step(self) -> StepResult | None:
         return self.history[-1] if self.history else None
-
-    def prefill(self, requests=None) -> StepResult:
-        """One prefill step over waiting/prefilling requests (default: all, in arrival order)."""
-        check_not_pending(self.last_step, "prefill")
-        t0, undo = time.perf_counter(), SchedulingUndo(self._engine.manager, self.requests)
-        if requests is None:
-            cands = [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)]
-        else:
-            cands = [self.request(r.id if isinstance(r, Request) else r) for r in requests]
-            bad = [r for r in cands if r.status not in (WAITING, PREFILLING)]
-            if bad:
-                raise InvalidRequestError(f"cannot prefill request {bad[0].id}: it is {bad[0].status}")
-        rows = self._scheduler.prefill_rows(self.requests, cands)
-        if not rows:
-            raise InvalidRequestError(self._nothing_to_run("prefill"))
-        return self._run("prefill", rows, t0, undo)
-
-    def decode_step(self) -> StepResult:
-        """One runtime-batch decode step over every decoding request."""
-        check_not_pending(self.last_step, "decode")
-        t0, undo = time.perf_counter(), SchedulingUndo(self._engine.manager, self.requests)
-        if not any(r.status == DECODING for r in self._requests.values()):
-            raise InvalidRequestError(self._nothing_to_run("decode"))
-        rows = self._scheduler.decode_rows(self.requests)
-        if not rows:
-            raise InvalidRequestError(self._nothing_to_run("decode"))
-        return self._run("decode", [(r, 1) for r in rows], t0, undo)
-
-    def _run(self, kind: str, rows, t0: float, undo: SchedulingUndo) -> StepResult:
-        """Plan, check and dispatch; a step refused before its forward returns takes back its scheduling."""
-        cfg = self.config
-        pad = cfg.max_batch if kind == "decode" and cfg.decode_padding == "replicate" else None
-        tables = {r.id: self._engine.manager.block_table(r.id) for r, _ in rows}
-        plan = build_plan(kind, self._step_index, rows, tables, cfg.block_size, pad_to=pad)
-        timings = {"schedule": time.perf_counter() - t0}
-        try:
-            step = self._engine.run(plan, self._requests, timings)
-        except BaseException:
-            undo.restore()
-            raise
-        self._step_index += 1
-        self.history.append(step)
-        return step
-
-    def _nothing_to_run(self, kind: str) -> str:
-        by = collections.Counter(r.status for r in self._requests.values())
-        state = ", ".join(f"{n} {s}" for s, n in by.items()) or "no requests"
-        return f"nothing to {kind}: {state}" + ("; add a request first" if not by else "")
-
-    def sample(self, step: StepResult | None = None, *, force=None) -> torch.Tensor:
-        """Sample one token per logits row of ``step`` (default: the last) on the device.
-
-        ``force`` teacher-forces instead: a list with one token id per logits row, or a dict
-        request id -> token id (rows not named are sampled as usual).
-        """
-        step = step if step is not None else self.last_step
-        if step is None:
-            raise InvalidRequestError("nothing to sample: no step has run yet")
-        if step is not self.last_step:
-            raise InvalidRequestError(f"cannot sample step {step.index}: only the last step "
-                                      f"({self.last_step.index}) can be sampled")
-        if step.token_ids is not None:
-            raise InvalidRequestError(f"step {step.index} was already sampled")
-        if step.logits is None:
-            raise InvalidRequestError(f"step {step.index} produced no logits (no row finished its prompt)")
-        if force is not None:
-            force = self._forced(step, force)
-        return self._engine.sample(step, self._requests, self._generators, force=force)
-
-    def _forced(self, step: StepResult, force) -> dict[int, int]:
-        ids = step.logits_request_ids
-        if isinstance(force, dict):
-            unknown = sorted(set(force) - set(ids))
-            if unknown:
-                raise InvalidRequestError(f"force names requests {unknown} that have no logits row in step {step.index}")
-            out = {int(k): int(v) for k, v in force.items()}
-        else:
-            force = list(force)
-            if len(force) != len(ids):
-                raise InvalidRequestError(f"force has {len(force)} tokens but step {step.index} has {len(ids)} logits rows")
-            out = {rid: int(t) for rid, t in zip(ids, force)}
-        bad = {k: v for k, v in out.items() if not 0 <= v < self.model_config.vocab_size}
-        if bad:
-            raise InvalidRequestError(f"forced tokens outside the vocabulary: {bad}")
-        return out
-
-    def step(self) -> StepResult:
-        """Schedule, run and sample one step: prefill when a prompt can make progress, else decode."""
-        check_not_pending(self.last_step, "step")
-        t0, undo = time.perf_counter(), SchedulingUndo(self._engine.manager, self.requests)
-        rows = self._scheduler.prefill_rows(
-            self.requests, [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)])
-        if rows:
-            step = self._run("prefill", rows, t0, undo)
-        else:
-            drows = self._scheduler.decode_rows(self.requests)
-            if not drows:
-                raise InvalidRequestError(self._nothing_to_run("step"))
-            step = self._run("decode", [(r, 1) for r in drows], t0, undo)
-        if step.logits is not None:
-            self.sample(step)
-        return step
 
     def generate(self, prompts, sampling=None, progress=None, *, enable_thinking: bool | None = None,
                  chat_template_kwargs: dict | None = None) -> list[Completion]:
@@ -254,7 +177,7 @@ class Session:
         samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(samplings) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(samplings)} sampling params")
-        check_not_pending(self.last_step, action)
+        check_not_pending(self.last_step, action, self._requests)
         prepared = [self._prepare(p, s, chat_kwargs) for p, s in zip(prompts, samplings)]
         return [self._add(*p) for p in prepared]
 
@@ -297,6 +220,21 @@ class Session:
 
     # ---- inspection -------------------------------------------------------------------------------------
     @property
+    def state(self):
+        """The read-only door into the live state (cache manager, K/V, ledger, requests, generators);
+        see ``qwen_npu.session_state``."""
+        from .session_state import SessionState
+        return SessionState(self)
+
+    def state_digest(self):
+        """A fingerprint of everything a step may change (requests, block tables, free-queue order,
+        prefix cache and its statistics, ledger, history, generators, buffer generations); equal
+        digests before and after an interrupted cell prove it changed nothing. See ``StateDigest``."""
+        from .inspect.digest import state_digest
+        self._engine.collect_dropped()
+        return state_digest(self)
+
+    @property
     def buffers(self):
         """Read-only mapping name -> live tensor of the dispatch and output buffers."""
         import types
@@ -329,8 +267,8 @@ class Session:
     def check(self):
         """Sweep every cache invariant (blocks, tables, live slots, ledger collisions, non-finite K/V)."""
         from .inspect.check import check_session
-        from .research.fork import visible_requests
-        return check_session(self._engine, visible_requests(self), list(self.history))
+        self._engine.collect_dropped()
+        return check_session(self._engine, self._visible_requests(), list(self.history))
 
     def audit(self, request, *, tol: float | None = None):
         """Recompute ``request``'s K/V densely from its tokens and compare with its slots, per layer."""
@@ -358,11 +296,13 @@ class Session:
         from .model.qwen3 import capture_names
         return capture_names(self.model_config.num_hidden_layers)
 
-    def capture(self, names="*", *, requests=None):
+    def capture(self, names="*", *, requests=None, positions=None, reduce=None, offload=None, budget=None,
+                on_step=None):
         """``with sess.capture(names) as cap:`` records activations (names or globs) of every step
         run inside the block, per step and request row. See ``qwen_npu.research.capture``."""
         from .research.capture import Capture
-        return Capture(self, names, requests=requests)
+        return Capture(self, names, requests=requests, positions=positions, reduce=reduce, offload=offload,
+                       budget=budget, on_step=on_step)
 
     def intervene(self, name, fn, *, requests=None, positions=None):
         """``with sess.intervene(name, fn):`` edits an activation of chosen rows in every step run

@@ -52,7 +52,7 @@ def _events(sess, reqs: list[Request]) -> Iterator[StreamEvent]:
                     yield ev
     finally:
         for r in reqs:
-            if not r.is_done and sess._requests.get(r.id) is r:
+            if not r.is_done and sess.state.requests.get(r.id) is r:
                 sess.abort(r)
 
 

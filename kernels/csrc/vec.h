@@ -23,10 +23,11 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// exp for x <= 0 (scores minus their max): 2^n * p(r), |relative error| < 2e-7; -inf -> 0.
+// exp for x <= 0 (scores minus their max): 2^n * p(r), |relative error| < 2e-7; -inf -> 0;
+// NaN -> NaN, as the reference softmax gives it (a NaN key or query must show, not vanish).
 inline __m256 exp_neg(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.0f);
-  x = _mm256_max_ps(x, lo);
+  x = _mm256_max_ps(lo, x);            // operand order: max_ps returns its 2nd operand for a NaN
   const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
   __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -40,7 +41,7 @@ inline __m256 exp_neg(__m256 x) {
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  return _mm256_and_ps(out, _mm256_cmp_ps(x, lo, _CMP_GT_OQ));   // underflow -> exactly 0
+  return _mm256_and_ps(out, _mm256_cmp_ps(x, lo, _CMP_NLE_UQ));  // underflow -> exactly 0; NaN kept
 }
 
 // ---- the register tile ------------------------------------------------------------------------

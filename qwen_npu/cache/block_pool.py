@@ -86,6 +86,45 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self._num_blocks))
         self._by_hash: dict[int, int] = {}   # block_hash -> block_id
         self._num_cached = 0                  # hashed blocks with ref_count 0
+        self._owned: set[int] | None = None   # a draft's privately copied blocks (None: all are its own)
+        self._maps_shared = False             # a draft still shares the queue and hash map it was cloned from
+
+    # ---- drafts: a private copy for planning, adopted whole on commit ---------------------------
+    def clone(self) -> BlockPool:
+        """An independent copy (a step's draft): its changes never reach this pool.
+
+        Blocks are copied on first change, and the free queue and hash map on the first change
+        to either, so a clone that only reads costs one list copy."""
+        new = object.__new__(BlockPool)
+        new._num_blocks, new._block_size = self._num_blocks, self._block_size
+        new._enable_prefix_cache = self._enable_prefix_cache
+        new._blocks = list(self._blocks)
+        new._free, new._by_hash, new._maps_shared = self._free, self._by_hash, True
+        new._num_cached = self._num_cached
+        new._owned = set()
+        return new
+
+    def adopt(self, draft: BlockPool) -> None:
+        """Take over ``draft``'s state (plain assignments; the draft must not be used again)."""
+        self._blocks, self._free, self._by_hash = draft._blocks, draft._free, draft._by_hash
+        self._num_cached, self._owned, self._maps_shared = draft._num_cached, None, False
+
+    def _own_maps(self) -> None:
+        """Before a draft changes the free queue or the hash map: copy both (once)."""
+        if self._maps_shared:
+            self._free, self._by_hash, self._maps_shared = self._free.copy(), dict(self._by_hash), False
+
+    def _mut(self, block_id: int) -> _Block:
+        """The block to change: in a clone, a private copy made on first change."""
+        block = self._blocks[block_id]
+        owned = self._owned
+        if owned is not None and block_id not in owned:
+            copy = _Block(block_id)
+            copy.ref_count, copy.block_hash = block.ref_count, block.block_hash
+            copy.parent_hash, copy.token_ids = block.parent_hash, block.token_ids
+            block = self._blocks[block_id] = copy
+            owned.add(block_id)
+        return block
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -130,9 +169,11 @@ class BlockPool:
             raise OutOfBlocksError(f"need {n} free blocks but only {len(self._free)} of {self._num_blocks} "
                                    f"are free; free a request or give the KV cache more blocks")
         block_ids = []
+        if n:
+            self._own_maps()
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
-            block = self._blocks[block_id]
+            block = self._mut(block_id)
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
@@ -141,11 +182,12 @@ class BlockPool:
 
     def acquire(self, block_id: int) -> None:
         """One more holder of ``block_id``: a used block, or a cached one (taken out of the queue)."""
-        block = self._get(block_id)
+        block = self._mut(self._get(block_id).block_id)
         if block.ref_count == 0:
             if block.block_hash is None:
                 raise ValueError(f"block {block_id} is free and caches nothing; allocate blocks instead "
                                  f"of acquiring a free one")
+            self._own_maps()
             del self._free[block_id]
             self._num_cached -= 1
         block.ref_count += 1
@@ -162,9 +204,10 @@ class BlockPool:
                 raise ValueError(f"cannot release block {block_id} {times} time(s): its ref_count is "
                                  f"{self._blocks[block_id].ref_count}")
         for block_id in block_ids:
-            block = self._blocks[block_id]
+            block = self._mut(block_id)
             block.ref_count -= 1
             if block.ref_count == 0:
+                self._own_maps()
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
@@ -196,6 +239,8 @@ class BlockPool:
                                  f"{block.token_ids}; a published block cannot change its content")
             return block_hash
         if block_hash not in self._by_hash:
+            self._own_maps()
+            block = self._mut(block_id)
             block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tokens
             self._by_hash[block_hash] = block_id
         return block_hash

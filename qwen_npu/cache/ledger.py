@@ -50,6 +50,14 @@ class SlotCollision:
         return f"step {self.step}: slot {self.slot} written {len(self.positions)} times{rows}: {who}"
 
 
+@dataclass(frozen=True)
+class LedgerWrites:
+    """The writes of one step, prepared by `SlotLedger.prepare` and recorded by `apply`."""
+    step: int
+    entries: list            # (slot, (request_id, position, step)) in token order
+    collisions: list         # SlotCollision
+
+
 class SlotLedger:
     """Last write and a bounded write history for every slot of a cache with `num_slots` slots."""
 
@@ -72,13 +80,21 @@ class SlotLedger:
         `rows` (optional, one per token) names the batch row of each token for collision records.
         Returns the collisions found in this call (also kept in `collisions`).
         """
+        writes = self.prepare(step, slots, request_ids, positions, rows)
+        self.apply(writes)
+        return writes.collisions
+
+    def prepare(self, step: int, slots: Sequence[int], request_ids: Sequence[int],
+                positions: Sequence[int], rows: Sequence[int] | None = None) -> LedgerWrites:
+        """What `record` would do, computed without changing the ledger (a step's commit phase
+        prepares first and then `apply`s, which cannot fail). Raises ValueError on bad input."""
         n = len(slots)
         if len(request_ids) != n or len(positions) != n or (rows is not None and len(rows) != n):
             lens = (n, len(request_ids), len(positions), None if rows is None else len(rows))
             raise ValueError(f"step {step}: slots, request_ids, positions, rows differ in length: {lens}")
         seen: dict[int, int] = {}
         dups: dict[int, list[int]] = {}
-        writes = self._writes
+        entries = []
         for i in range(n):
             slot = int(slots[i])
             if slot < 0:
@@ -90,18 +106,24 @@ class SlotLedger:
                 dups.setdefault(slot, [seen[slot]]).append(i)
             else:
                 seen[slot] = i
-            entry = writes.get(slot)
-            if entry is None:
-                entry = writes[slot] = deque(maxlen=self.history_len)
-            entry.append((int(request_ids[i]), int(positions[i]), step))
-        self.last_step = step
+            entries.append((slot, (int(request_ids[i]), int(positions[i]), step)))
         found = [SlotCollision(step, slot, tuple(int(request_ids[i]) for i in idx),
                                tuple(int(positions[i]) for i in idx),
                                None if rows is None else tuple(int(rows[i]) for i in idx))
                  for slot, idx in dups.items()]
-        self._collisions.extend(found)
-        self.num_collisions += len(found)
-        return found
+        return LedgerWrites(step, entries, found)
+
+    def apply(self, writes: LedgerWrites) -> None:
+        """Record prepared writes: appends and assignments only."""
+        store, history = self._writes, self.history_len
+        for slot, entry in writes.entries:
+            q = store.get(slot)
+            if q is None:
+                q = store[slot] = deque(maxlen=history)
+            q.append(entry)
+        self.last_step = writes.step
+        self._collisions.extend(writes.collisions)
+        self.num_collisions += len(writes.collisions)
 
     def last(self, slot: int) -> SlotWrite | None:
         entry = self._writes.get(slot)

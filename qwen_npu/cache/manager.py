@@ -13,6 +13,10 @@ Invariants (``check`` reports any breach as a sentence):
 
 * A block's hash is published by ``commit`` only after the step that filled it has run, so a
   block is never matchable before its K/V exist.
+* A request marked ``keep_private`` (its K/V were computed under an edit) publishes nothing from
+  then on, and its forks inherit the mark: edited K/V never reach a request that was not edited.
+  ``prefix_limit`` (set while research hooks run) caps how many leading tokens ``match_prefix``
+  may take from the cache for a request, so positions an edit or a capture covers are recomputed.
 
 The lifecycle of a request: ``match_prefix`` once on admission (acquires cached blocks), then
 ``allocate`` for the tokens of each step, ``commit`` after each step, ``free`` at the end. If
@@ -22,7 +26,7 @@ admitting it again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import InvalidRequestError, OutOfBlocksError
 from .block_pool import BlockPool
@@ -62,6 +66,7 @@ class _RequestBlocks:
     num_computed: int = 0            # tokens whose K/V are in the table's blocks
     num_hashed: int = 0              # leading blocks whose chained hash is known (matched or published)
     last_hash: int | None = None     # the hash of block num_hashed - 1 (None: no block yet)
+    private: str | None = None       # why its blocks are no longer published (None: they are)
 
 
 class KVCacheManager:
@@ -72,12 +77,53 @@ class KVCacheManager:
         self._block_size = block_size
         self._requests: dict[int, _RequestBlocks] = {}
         self._stats = PrefixCacheStats()
+        # request id -> the most leading tokens match_prefix may reuse (None: no cap); see module doc
+        self.prefix_limit: Callable[[int], int | None] | None = None
 
     def reset(self) -> None:
         """Forget every request, every cached prefix and the statistics."""
         self._pool.reset()
         self._requests.clear()
         self._stats = PrefixCacheStats()
+
+    # ---- drafts: plan on a private copy, adopt it whole on commit -----------------------------
+    def clone(self) -> KVCacheManager:
+        """An independent copy of every table, ref count, queue position, hash and statistic.
+
+        A step plans and books on a clone; the live manager changes only when the step commits
+        with ``adopt`` (plain assignments), so a step that fails before then changes nothing."""
+        new = object.__new__(KVCacheManager)
+        new._pool = self._pool.clone()
+        new._block_size = self._block_size
+        new._requests = {rid: _RequestBlocks(list(s.table), s.num_computed, s.num_hashed, s.last_hash,
+                                             s.private)
+                         for rid, s in self._requests.items()}
+        new._stats = self._stats
+        new.prefix_limit = self.prefix_limit
+        return new
+
+    def adopt(self, draft: KVCacheManager) -> None:
+        """Take over ``draft``'s state; cannot fail (the draft must not be used again)."""
+        self._pool.adopt(draft._pool)
+        self._requests = draft._requests
+        self._stats = draft._stats
+
+    def committed_blocks(self, writes: dict[int, int]) -> list[int]:
+        """Of ``writes`` (block -> the request a step writes it for), the blocks whose K/V this
+        (live) manager still points to: cached prefix blocks, and blocks other requests hold.
+        A step that fails must give those back as they were (``engine.transaction.KVGuard``)."""
+        out = []
+        for block_id, rid in writes.items():
+            if not 0 <= block_id < self.num_blocks:
+                continue
+            block = self._pool._blocks[block_id]
+            if block.block_hash is not None and block.ref_count == 0:
+                out.append(block_id)
+            elif block.ref_count > 0:
+                own = self._requests.get(rid)
+                if own is None or block_id not in own.table or block.ref_count > 1:
+                    out.append(block_id)
+        return out
 
     # ---- reading -------------------------------------------------------------------------------
     @property
@@ -155,7 +201,8 @@ class KVCacheManager:
             return 0
         size = self._block_size
         eligible = max(0, (len(token_ids) - 1) // size)
-        for block_id in self._cached_blocks(token_ids):
+        limit = self.prefix_limit(request_id) if self.prefix_limit is not None else None
+        for block_id in self._cached_blocks(token_ids)[:None if limit is None else limit // size]:
             self._pool.acquire(block_id)
             state.table.append(block_id)
         hits = len(state.table)
@@ -216,7 +263,7 @@ class KVCacheManager:
             raise InvalidRequestError(f"request {request_id}: {num_computed} computed tokens need more than "
                                       f"the {len(state.table)} blocks of its table; allocate first")
         state.num_computed = num_computed
-        if not self._pool.enable_prefix_cache:
+        if not self._pool.enable_prefix_cache or state.private is not None:
             return
         size, parent = self._block_size, state.last_hash
         full = num_computed // size
@@ -224,6 +271,17 @@ class KVCacheManager:
             parent = self._pool.publish(state.table[i], parent, token_ids[i * size:(i + 1) * size])
         if full > state.num_hashed:
             state.num_hashed, state.last_hash = full, parent
+
+    def keep_private(self, request_id: int, why: str) -> None:
+        """From now on publish none of the request's blocks (``why``: a sentence for errors and views)."""
+        state = self._state(request_id, "keep private")
+        if state.private is None:
+            state.private = why
+
+    def private_reason(self, request_id: int) -> str | None:
+        """Why the request's blocks are not published, or None."""
+        state = self._requests.get(request_id)
+        return state.private if state is not None else None
 
     def free(self, request_id: int) -> None:
         """Release the request's blocks tail first (its tail is evicted before its head); no-op if unknown."""
@@ -266,7 +324,8 @@ class KVCacheManager:
         for block_id in parent.table[:full]:
             self._pool.acquire(block_id)
         self._requests[child_id] = _RequestBlocks(parent.table[:full] + [dst for _, dst in copies],
-                                                  parent.num_computed, parent.num_hashed, parent.last_hash)
+                                                  parent.num_computed, parent.num_hashed, parent.last_hash,
+                                                  parent.private)
         return copies
 
     # ---- invariants ----------------------------------------------------------------------------

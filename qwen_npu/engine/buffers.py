@@ -7,8 +7,14 @@ are never read or written by it::
                               \\_ view [:3] _/
 
 Output buffers (logits, next-hidden) live on the device and are cached by key
-(kind, capacity, dtype). Each write bumps the buffer's generation, which is how a
-``DeviceLogits`` handle learns that a later step reused its memory.
+(kind, name, capacity, width, dtype, pair). Each kind has two pairs: a step writes the pair
+that the last committed step of its kind did not, so a step that fails half way never touches
+the logits a user still holds. Committing a step bumps the generations of both pairs of its kind,
+which is how an older ``DeviceLogits`` handle learns that it is no longer the latest::
+
+    step 4 (decode) -> pair 0, commit: pair 0 current       step 4's logits valid
+    step 5 (decode) fails inside its forward (wrote pair 1) step 4's logits still valid
+    step 5 (decode) -> pair 1, commit: pair 1 current       step 4's logits stale (generation bumped)
 """
 from __future__ import annotations
 
@@ -47,18 +53,39 @@ class DispatchBuffers:
             self.tensors[pre + "query_start_loc"] = z(max_batch + 1, dtype=i32)
             self.tensors[pre + "logits_index"] = z(max_batch, dtype=i64)
         self._outputs: dict[tuple, OutputBuffer] = {}
+        self.current = {"decode": 0, "prefill": 0}   # the pair holding the last committed step's outputs
         for kind in ("decode", "prefill"):
             pre = "" if kind == "decode" else "prefill."
-            self.tensors[pre + "logits"] = self.output(kind, "logits", max_batch, vocab_size, torch.float32).tensor
-            self.tensors[pre + "hidden"] = self.output(kind, "hidden", max_batch, hidden_size, hidden_dtype).tensor
+            for pair, tail in ((0, ""), (1, ".1")):
+                self.tensors[pre + "logits" + tail] = self.output(kind, "logits", max_batch, vocab_size,
+                                                                  torch.float32, pair).tensor
+                self.tensors[pre + "hidden" + tail] = self.output(kind, "hidden", max_batch, hidden_size,
+                                                                  hidden_dtype, pair).tensor
 
-    def output(self, kind: str, name: str, capacity: int, width: int, dtype: torch.dtype) -> OutputBuffer:
+    def output(self, kind: str, name: str, capacity: int, width: int, dtype: torch.dtype,
+               pair: int = 0) -> OutputBuffer:
         """The cached output buffer for this key, allocated on first use."""
-        key = (kind, name, capacity, width, dtype)
+        key = (kind, name, capacity, width, dtype, pair)
         buf = self._outputs.get(key)
         if buf is None:
             buf = self._outputs[key] = OutputBuffer(torch.zeros(capacity, width, dtype=dtype, device=self.device))
         return buf
+
+    def spare(self, kind: str) -> int:
+        """The pair a new step of ``kind`` writes: not the one the last committed step holds."""
+        return 1 - self.current[kind]
+
+    def publish(self, kind: str) -> None:
+        """Commit a step of ``kind``: its pair becomes current; older handles of ``kind`` go stale."""
+        pair = 1 - self.current[kind]
+        self.current[kind] = pair
+        for key, buf in self._outputs.items():
+            if key[0] == kind:
+                buf.generation += 1
+
+    def generations(self) -> dict:
+        """Output buffer generations by key (part of the Session's state digest)."""
+        return {k: b.generation for k, b in self._outputs.items()}
 
     def fill(self, name: str, host: torch.Tensor) -> int:
         """Copy ``host`` into the leading rows of buffer ``name``; returns the bytes moved h2d."""

@@ -33,6 +33,12 @@ class IncrementalDetokenizer:
     def token_ids(self) -> list[int]:
         return list(self._ids)
 
+    def copy(self) -> IncrementalDetokenizer:
+        """An independent copy (a step stages its tokens on one)."""
+        new = IncrementalDetokenizer(self._decode)
+        new._ids, new._start, new._stable, new.text = list(self._ids), self._start, self._stable, self.text
+        return new
+
     def push(self, token_ids) -> str:
         """Add tokens; returns the text they completed (possibly "")."""
         self._ids += [int(t) for t in token_ids]

@@ -1,4 +1,7 @@
-"""Run one planned step end to end and apply its sampled tokens.
+"""Dispatch one planned step and book its results on the step's draft; sample on the device.
+
+Nothing here changes live state: ``run`` and ``sample`` stage their results on a StepDraft and a
+Commit, which the Session applies (see ``transaction.py`` for the phases).
 
     plan ─> slot checks ─> runner.dispatch (buffers [:n], model) ─> bookkeeping (computed
     tokens, prefix hashes, slot ledger) ─> StepResult ─> sample on device ─> token ids to host
@@ -10,7 +13,6 @@ the full-logits copy after the forward.
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 
@@ -26,15 +28,14 @@ from .buffers import DispatchBuffers
 from .faults import FaultEmulator
 from .outputs import DeviceLogits, StepResult
 from .plan import StepPlan
-from .request import DECODING, FINISHED, Request
+from .request import ABORTED, DECODING, FINISHED, Request
+from .commit import Commit, StreamHealthWarning  # noqa: F401 - re-exported
 from .deterministic import TokenByTokenRunner
+from .draft import RequestDraft, StepDraft
+from .transaction import KVGuard, deferred_interrupts, fault_point
 from .runner import ModelRunner
 
 HEALTH = {1: "non-finite logits", 2: "all-zero logits", 3: "all-equal logits"}
-
-
-class StreamHealthWarning(UserWarning):
-    """A row's logits are all zero, all equal or non-finite: its stream is broken."""
 
 
 class Engine:
@@ -59,39 +60,70 @@ class Engine:
         self.branches = None       # the Sessions sharing this engine after a fork (research/fork.py)
         self.next_request_id = 0   # request ids are unique per engine, so forked Sessions never clash
         self.faults: FaultEmulator | None = None   # EMULATED hardware faults; off unless asked for
+        self.dropped: list[dict] = []   # request maps of branches garbage-collected with live requests
 
-    # ---- running a step ---------------------------------------------------------------------------
-    def run(self, plan: StepPlan, requests: dict[int, Request], timings: dict) -> StepResult:
-        """Check and dispatch ``plan``; returns its StepResult (not yet sampled)."""
+    def collect_dropped(self) -> None:
+        """Abort the unfinished requests of branches dropped since the last call, freeing their
+        blocks (a branch's finalizer only queues them: it may run in the middle of a step)."""
+        while self.dropped:
+            requests = self.dropped.pop()
+            for req in requests.values():
+                if not req.is_done:
+                    self.finish(req, "abort", ABORTED)
+
+    # ---- running a step: dispatch, then book on the draft (nothing live changes) --------------
+    def run(self, plan: StepPlan, draft: StepDraft, requests: dict, timings: dict) -> tuple[StepResult, Commit]:
+        """Validate and dispatch ``plan``; book its results on ``draft``. Returns the StepResult
+        (not yet sampled) and the Commit that publishes it. Changes no live state."""
         transfers = {"h2d": 0, "d2h": 0}
         problems = []
         if self.config.slot_check != "off":
             t0 = time.perf_counter()
-            problems = self.check_plan(plan, requests if self.branches is None else self.branches.requests())
+            problems = self.check_plan(plan, requests, draft)
             timings["check"] = time.perf_counter() - t0
-            raise_or_warn(problems, self.config.slot_check, stacklevel=4)
+            raise_or_warn(problems, self.config.slot_check, stacklevel=5)
+        fault_point("validated")
         hook = self.hook
         if hook is not None and hasattr(hook, "begin_step"):
             hook = hook.begin_step(plan)
-        logits_buf, hidden_buf, out_rows = self.runner.dispatch(plan, timings, transfers, hook=hook)
+        guard = KVGuard(self.kv_cache, self.manager.committed_blocks(_written_blocks(plan, self.config.block_size)))
+        try:
+            logits_buf, hidden_buf, out_rows = self.runner.dispatch(plan, timings, transfers, hook=hook)
+            fault_point("dispatched")
+            step, commit = self._book(plan, draft, logits_buf, hidden_buf, problems, timings, transfers,
+                                      hook)
+        except BaseException:
+            guard.restore()
+            raise
+        commit.guard = guard
+        return step, commit
+
+    def _book(self, plan, draft, logits_buf, hidden_buf, problems, timings, transfers, hook=None):
         t0 = time.perf_counter()
+        manager = draft.manager
+        private = getattr(hook, "private_requests", None)      # K/V computed under a research edit
+        for rid, why in (private() if private is not None else {}).items():
+            manager.keep_private(rid, why)
         for row in plan.rows[:plan.num_active]:
             req = row.request
             req.num_computed_tokens = row.end
-            self.manager.commit(req.id, req.all_token_ids, row.end)
-        collisions = self.ledger.record(plan.index, plan.slot_mapping,
-                                        [r.request.id for r in plan.rows for _ in range(r.end - r.start)],
-                                        plan.positions,
-                                        [i for i, r in enumerate(plan.rows) for _ in range(r.end - r.start)])
-        if self.faults is not None and collisions:
-            self.faults.apply(plan.index, collisions, self.kv_cache, stacklevel=4)
+            manager.commit(req.id, req.all_token_ids, row.end)
+        writes = self.ledger.prepare(plan.index, plan.slot_mapping,
+                                     [r.request.id for r in plan.rows for _ in range(r.end - r.start)],
+                                     plan.positions,
+                                     [i for i, r in enumerate(plan.rows) for _ in range(r.end - r.start)])
+        fault_point("booked")
         n_logits = len(plan.logits_rows)
-        logits = DeviceLogits(logits_buf, n_logits, transfers, plan.index) if n_logits else None
+        gen = logits_buf.generation + 1          # what the commit makes it
+        logits = DeviceLogits(logits_buf, n_logits, transfers, plan.index, generation=gen) if n_logits else None
         host_logits = torch.empty(0)
         if logits is not None and not self.config.device_outputs:
-            host_logits = logits.to_host()
+            host_logits = logits.view_unchecked().to("cpu", copy=True)
+            transfers["d2h"] += host_logits.nbytes
+            fault_point("d2h")
         timings["bookkeeping"] = time.perf_counter() - t0
-        return StepResult(
+        usage = _usage(manager)
+        step = StepResult(
             kind=plan.kind, index=plan.index, request_ids=plan.request_ids, batch_size=len(plan.rows),
             num_active=plan.num_active,
             input_ids=torch.tensor(plan.input_ids), positions=torch.tensor(plan.positions),
@@ -101,50 +133,58 @@ class Engine:
             logits_request_ids=[plan.rows[r].request.id for r in plan.logits_rows],
             host_logits=host_logits, hidden=hidden_buf.tensor[:n_logits] if n_logits else None,
             timings=timings, transfers=transfers, slot_problems=problems, block_size=self.config.block_size,
-            cache_usage=self.cache_usage(),
+            cache_usage=usage,
             row_preemptions=[r.request.num_preemptions for r in plan.rows[:plan.num_active]])
+        commit = Commit(self, draft)
+        commit.ledger = writes
+        commit.outputs = plan.kind
+        commit.step_index = plan.index
+        return step, commit
 
     def cache_usage(self) -> dict:
-        """Blocks by state now: used (held), cached (reusable prefix, ref count 0), free."""
-        m = self.manager
-        return {"used": m.num_used_blocks, "cached": m.num_cached_blocks,
-                "free": m.num_free_blocks - m.num_cached_blocks}
+        return _usage(self.manager)
 
-    def check_plan(self, plan: StepPlan, requests: dict[int, Request]):
+    def check_plan(self, plan: StepPlan, requests: dict[int, Request], draft: StepDraft | None = None):
         rows = list(plan.row_slices())
         writes = StepWrites(
             plan.index, plan.kind, len(plan.rows), plan.num_active, plan.request_ids,
             [plan.positions[a:b] for _, a, b in rows], [plan.slot_mapping[a:b] for _, a, b in rows],
             plan.block_tables)
         bs = self.config.block_size
+        manager = draft.manager if draft is not None else self.manager
 
         def is_live(request_id: int, position: int, slot: int) -> bool:
             """Does (request, position) still hold ``slot`` with a computed token?"""
             req = requests.get(request_id)
+            if req is not None and draft is not None:
+                req = draft.drafts.get(request_id, req)
             if req is None or req.is_done or position >= req.num_computed_tokens:
                 return False
-            table = self.manager.block_table(request_id)
+            table = manager.block_table(request_id)
             if position // bs >= len(table):
                 return False
             return table[position // bs] * bs + position % bs == slot
 
         return check_step_writes(writes, block_size=bs, num_blocks=self.config.num_blocks,
-                                 ref_count=self.manager.pool.ref_count, ledger=self.ledger, is_live=is_live)
+                                 ref_count=manager.pool.ref_count, ledger=self.ledger, is_live=is_live)
 
-    # ---- sampling -------------------------------------------------------------------------------
-    def sample(self, step: StepResult, requests: dict[int, Request],
-               generators: dict[int, torch.Generator], *, force: dict[int, int] | None = None) -> torch.Tensor:
-        """Sample every logits row of ``step`` on the device and apply the tokens to requests.
+    # ---- sampling: on the device, tokens staged on the draft ----------------------------------
+    def sample(self, step: StepResult, draft: StepDraft, generators: dict[int, torch.Generator],
+               commit: Commit, *, force: dict[int, int] | None = None) -> torch.Tensor:
+        """Sample every logits row of ``step`` on the device and stage the tokens on ``draft``.
 
         Returns the token ids [rows] on the device. The one host sync: a single int64 per row,
         the token id with the row's health code packed into its upper 32 bits (widened to
-        ``2 + k`` int64 when a row asks for log-probabilities, see ``logprobs.py``).
+        ``2 + k`` int64 when a row asks for log-probabilities, see ``logprobs.py``). Random
+        generators are advanced on copies that ``commit`` puts in place.
         """
         t0 = time.perf_counter()
-        reqs = [requests[i] for i in step.logits_request_ids]
-        logits = step.logits.tensor                                     # [rows, vocab]
+        reqs = [draft.of(r) for r in (draft.requests[i] for i in step.logits_request_ids)]
+        logits = step.logits.view_unchecked()                          # [rows, vocab]
         allowed, h2d_mask = stopping.mask_early_stops(logits, reqs)
-        ids, h2d = sampler.sample(allowed, [r.sampling for r in reqs], [generators.get(r.id) for r in reqs])
+        ids, h2d = sampler.sample(allowed, [r.sampling for r in reqs],
+                                  [draft.generator(r.id, generators) for r in reqs])
+        fault_point("sampled")
         h2d += h2d_mask
         if force:
             forced = torch.tensor([force.get(r.id, -1) for r in reqs], dtype=torch.int64)
@@ -155,42 +195,38 @@ class Engine:
         packed = ids | (_health_codes(logits) << 32)
         packed = logprobs.attach(packed, logits, ids, logprobs.width(ks, logits.shape[-1]))
         host = packed.cpu()
-        step.transfers["h2d"] += h2d
-        step.transfers["d2h"] += host.nbytes
+        d2h = host.nbytes
+        fault_point("d2h")
         lps = logprobs.unpack(host, ks)
         host = host if host.dim() == 1 else host[:, 0]
         tokens = host & 0xFFFFFFFF
         codes = (host >> 32).tolist()
-        step.token_ids = tokens
-        step.health = [(reqs[i].id, HEALTH[c]) for i, c in enumerate(codes) if c]
-        if step.health:
-            warnings.warn(f"step {step.index}: " + "; ".join(f"request {rid}: {why}" for rid, why in step.health),
-                          StreamHealthWarning, stacklevel=3)
+        health = [(reqs[i].id, HEALTH[c]) for i, c in enumerate(codes) if c]
         for req, tok, lp in zip(reqs, tokens.tolist(), lps):
             if req.is_done:
                 continue                         # aborted between the forward and this sample
-            if lp is not None and req.logprobs is not None:
-                req.logprobs.append(lp)
-            self.append_token(req, tok)
-        step.timings["sample"] = time.perf_counter() - t0
+            self.stage_token(draft, req, tok, lp)
+        fault_point("staged")
+        commit.sampled = (step, tokens, health, h2d, d2h, time.perf_counter() - t0)
         return ids
 
-    def append_token(self, req: Request, token: int) -> None:
-        req.output_token_ids.append(token)
+    @staticmethod
+    def stage_token(draft: StepDraft, req: RequestDraft, token: int, lp=None) -> None:
+        req.append_token(token, lp)
         req.status = DECODING
-        sp = req.sampling
         why = stopping.fired(req, token)
         if why is not None:
             req.stop_reason = why
-            self.finish(req, "stop")
-        elif len(req.output_token_ids) >= sp.max_new_tokens:
-            self.finish(req, "length")
+            draft.finish(req, "stop")
+        elif len(req.output_token_ids) >= req.sampling.max_new_tokens:
+            draft.finish(req, "length")
 
     def finish(self, req: Request, reason: str, status: str = FINISHED) -> None:
-        req.status = status
-        req.finish_reason = reason
-        if self.manager.has(req.id):
-            self.manager.free(req.id)
+        """Finish ``req`` now (an abort): one small transaction of its own."""
+        draft = StepDraft(self.manager, {req.id: req})
+        draft.finish(draft.of(req), reason, status)
+        with deferred_interrupts():
+            draft.apply({})
 
     def new_request_id(self) -> int:
         rid = self.next_request_id
@@ -198,12 +234,32 @@ class Engine:
         return rid
 
     def reset(self) -> None:
+        self.dropped.clear()
         self.next_request_id = 0
         self.manager.reset()
         self.ledger.reset()
         self.kv_cache.zero_()
         if self.faults is not None:
             self.faults.applied.clear()          # the cache they describe is gone; the model stays on
+
+
+def _written_blocks(plan: StepPlan, block_size: int) -> dict[int, int]:
+    """block -> the request whose row writes it in ``plan`` (active rows)."""
+    out: dict[int, int] = {}
+    for row, a, b in plan.row_slices():
+        if row >= plan.num_active:
+            break
+        rid = plan.rows[row].request.id
+        for slot in plan.slot_mapping[a:b]:
+            if slot >= 0:
+                out.setdefault(slot // block_size, rid)
+    return out
+
+
+def _usage(m) -> dict:
+    """Blocks by state: used (held), cached (reusable prefix, ref count 0), free."""
+    return {"used": m.num_used_blocks, "cached": m.num_cached_blocks,
+            "free": m.num_free_blocks - m.num_cached_blocks}
 
 
 def _health_codes(logits: torch.Tensor) -> torch.Tensor:
@@ -229,8 +285,13 @@ def _pad(tables: list[list[int]], width: int) -> torch.Tensor:
     return out
 
 
-def check_not_pending(last: StepResult | None, action: str) -> None:
+def check_not_pending(last: StepResult | None, action: str, requests: dict | None = None) -> None:
+    """Refuse ``action`` while the last step has unsampled logits rows of unfinished requests
+    (a step whose rows all belong to requests aborted since needs no sample)."""
     if last is not None and not last.sampled:
+        if requests is not None and all(
+                rid not in requests or requests[rid].is_done for rid in last.logits_request_ids):
+            return
         raise InvalidRequestError(
             f"cannot {action}: step {last.index} ({last.kind}) has unsampled rows for requests "
             f"{last.logits_request_ids}; call sess.sample() first")

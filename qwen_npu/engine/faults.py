@@ -76,18 +76,20 @@ class FaultEmulator:
         self.applied: collections.deque[EmulatedFault] = collections.deque(maxlen=MAX_RECORDED)
 
     def apply(self, step: int, collisions: Sequence[SlotCollision], kv_cache: KVCache, *,
-              stacklevel: int = 2) -> list[EmulatedFault]:
-        """Overwrite every collided slot of ``step`` in every layer; warn once for the step."""
+              stacklevel: int = 2, warn: bool = True) -> list[EmulatedFault]:
+        """Overwrite every collided slot of ``step`` in every layer; warn once for the step
+        (``warn=False``: the caller warns later with ``warn_faults``, once its state is consistent)."""
         if not collisions:
             return []
         bs = kv_cache.block_size
+        faults = [EmulatedFault(self.model, step, c.slot, c.slot // bs, c.slot % bs, c.rows or (),
+                                c.request_ids, c.positions) for c in collisions]
         slots = torch.tensor([c.slot for c in collisions], dtype=torch.int64).to(kv_cache.keys[0].device)
         for cache in kv_cache.keys + kv_cache.values:
             cache.view(-1, *cache.shape[2:]).index_fill_(0, slots, self.value)   # [num_slots, kv_heads, hd]
-        faults = [EmulatedFault(self.model, step, c.slot, c.slot // bs, c.slot % bs, c.rows or (),
-                                c.request_ids, c.positions) for c in collisions]
         self.applied.extend(faults)
-        warnings.warn("\n".join(map(str, faults)), FaultEmulationWarning, stacklevel=stacklevel + 1)
+        if warn:
+            warn_faults(faults, stacklevel=stacklevel + 1)
         return faults
 
     def find(self, step: int, slot: int) -> EmulatedFault | None:
@@ -98,6 +100,11 @@ class FaultEmulator:
 
     def __repr__(self) -> str:
         return f"FaultEmulator(EMULATED {self.model}, {len(self.applied)} faults applied)"
+
+
+def warn_faults(faults: Sequence[EmulatedFault], *, stacklevel: int = 2) -> None:
+    if faults:
+        warnings.warn("\n".join(map(str, faults)), FaultEmulationWarning, stacklevel=stacklevel + 1)
 
 
 class FaultSetting:

@@ -19,9 +19,11 @@ class DeviceLogits:
     """Logits [rows, vocab] resident on the device, one row per row that produces a next token."""
 
     def __init__(self, buffer: OutputBuffer | None, rows: int, transfers: dict, step_index: int,
-                 *, private: torch.Tensor | None = None):
+                 *, private: torch.Tensor | None = None, generation: int | None = None):
         self._buffer = buffer
-        self._generation = buffer.generation if buffer is not None else None
+        if generation is None and buffer is not None:
+            generation = buffer.generation
+        self._generation = generation
         self._rows = rows
         self._private = private
         self._transfers = transfers
@@ -45,6 +47,10 @@ class DeviceLogits:
                 f"the logits of step {self.step_index} were overwritten by a later step that reused "
                 f"the same device buffer; call .clone() on them before running another step to keep them")
         return self._buffer.tensor[:self._rows]
+
+    def view_unchecked(self) -> torch.Tensor:
+        """The rows without the staleness check: for the engine, inside the step that wrote them."""
+        return self._private if self._private is not None else self._buffer.tensor[:self._rows]
 
     def clone(self) -> "DeviceLogits":
         """A private device copy that later steps cannot overwrite."""

@@ -72,10 +72,10 @@ class ModelRunner:
         )
 
     def outputs(self, kind: str) -> tuple[OutputBuffer, OutputBuffer]:
-        """The (logits, hidden) output buffers of ``kind``, their generation bumped for a new step."""
+        """The (logits, hidden) output buffers a new step of ``kind`` writes: the spare pair, whose
+        handles are all stale already (the step's commit publishes it; see ``buffers.py``)."""
         b, cfg = self.buffers, self.model.config
-        logits_buf = b.output(kind, "logits", b.max_batch, cfg.vocab_size, torch.float32)
-        hidden_buf = b.output(kind, "hidden", b.max_batch, cfg.hidden_size, self.model.dtype)
-        logits_buf.generation += 1
-        hidden_buf.generation += 1
+        pair = b.spare(kind)
+        logits_buf = b.output(kind, "logits", b.max_batch, cfg.vocab_size, torch.float32, pair)
+        hidden_buf = b.output(kind, "hidden", b.max_batch, cfg.hidden_size, self.model.dtype, pair)
         return logits_buf, hidden_buf

@@ -22,23 +22,27 @@ Policy (continuous batching with chunked prefill):
 """
 from __future__ import annotations
 
-from ..cache.manager import KVCacheManager
-from .request import DECODING, PREFILLING, WAITING, Request
+from .draft import RUNNING, StepDraft, preempt
+from .request import DECODING, PREFILLING, WAITING
 
 
 class Scheduler:
-    def __init__(self, manager: KVCacheManager, *, max_batch: int, chunk_size: int):
-        self.manager = manager
+    """Plans rows on a ``StepDraft``: admissions, allocations and preemptions change only the
+    draft (its request drafts and its manager clone), never the live state."""
+
+    def __init__(self, *, max_batch: int, chunk_size: int):
         self.max_batch = max_batch
         self.chunk_size = chunk_size
 
     @staticmethod
-    def running(requests: list[Request]) -> list[Request]:
-        return [r for r in requests if r.status in (PREFILLING, DECODING)]
+    def running(requests) -> list:
+        return [r for r in requests if r.status in RUNNING]
 
-    def prefill_rows(self, requests: list[Request], candidates: list[Request]) -> list[tuple[Request, int]]:
+    def prefill_rows(self, draft: StepDraft, requests, candidates) -> list[tuple]:
         """Admit and size the rows of a prefill step. May preempt (see module docstring)."""
-        rows: list[tuple[Request, int]] = []
+        requests, candidates = draft.all(requests), draft.all(candidates)
+        manager = draft.manager
+        rows: list[tuple] = []
         budget = self.chunk_size
         num_running = len(self.running(requests))
         admitting = True                     # False once a waiting request found no room or one was preempted
@@ -48,22 +52,22 @@ class Scheduler:
             if req.status == WAITING:
                 if not admitting or num_running >= self.max_batch:
                     continue
-                if self._computes_shared_prefix(req, rows):
+                if self._computes_shared_prefix(manager, req, rows):
                     admitting = False        # next step it finds those blocks cached
                     continue
-                n = self._admit(req, budget)
+                n = self._admit(manager, req, budget)
                 if n == 0:
                     admitting = False        # no room: later arrivals must not overtake it
                     continue
                 num_running += 1
             elif req.status == PREFILLING and req.num_computed_tokens < req.num_tokens:
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
-                while not self.manager.allocate(req.id, req.num_computed_tokens + n):
+                while not manager.allocate(req.id, req.num_computed_tokens + n):
                     victim = self._victim(requests, newer_than=req)
                     if victim is None:
                         n = 0                # it is the newest: it waits, keeping its blocks
                         break
-                    self.preempt(victim)
+                    preempt(draft, victim)
                     admitting, num_running = False, num_running - 1
                     budget += sum(k for r, k in rows if r is victim)
                     rows = [(r, k) for r, k in rows if r is not victim]
@@ -75,17 +79,18 @@ class Scheduler:
             budget -= n
         return rows
 
-    def _computes_shared_prefix(self, req: Request, rows: list[tuple[Request, int]]) -> bool:
+    @staticmethod
+    def _computes_shared_prefix(manager, req, rows) -> bool:
         """Does a row of this step compute a full block that ``req``'s prompt starts with too?
 
         Such a block is published when the step ends; admitting ``req`` in the same step would
         compute it a second time instead of reusing it.
         """
-        if not rows or not self.manager.enable_prefix_cache:
+        if not rows or not manager.enable_prefix_cache:
             return False
-        size = self.manager.block_size
+        size = manager.block_size
         tokens = req.all_token_ids
-        cached = self.manager.cached_prefix_tokens(tokens)
+        cached = manager.cached_prefix_tokens(tokens)
         shareable = (len(tokens) - 1) // size * size   # the blocks match_prefix may take
         for row, n in rows:
             end = min(shareable, (row.num_computed_tokens + n) // size * size)
@@ -93,28 +98,30 @@ class Scheduler:
                 return True
         return False
 
-    def _admit(self, req: Request, budget: int) -> int:
+    @staticmethod
+    def _admit(manager, req, budget: int) -> int:
         """Take a waiting request in: reuse its cached prefix, allocate its first chunk."""
-        cached = self.manager.match_prefix(req.id, req.all_token_ids)
+        cached = manager.match_prefix(req.id, req.all_token_ids)
         n = min(req.num_tokens - cached, budget)
-        if not self.manager.allocate(req.id, cached + n):
-            self.manager.free(req.id)
+        if not manager.allocate(req.id, cached + n):
+            manager.free(req.id)
             return 0
         req.num_computed_tokens = cached
         req.num_cached_tokens = cached
         req.status = PREFILLING
         return n
 
-    def decode_rows(self, requests: list[Request]) -> list[Request]:
+    def decode_rows(self, draft: StepDraft, requests) -> list:
         """Every decoding request, each with a block for its next token. May preempt."""
-        rows: list[Request] = []
+        requests = draft.all(requests)
+        rows: list = []
         for req in [r for r in requests if r.status == DECODING]:
             if req.status != DECODING:
                 continue                      # preempted by an earlier row of this loop
             ok = True
-            while not self.manager.allocate(req.id, req.num_tokens):
+            while not draft.manager.allocate(req.id, req.num_tokens):
                 victim = self._victim(requests)
-                self.preempt(victim)
+                preempt(draft, victim)
                 if victim is req:
                     ok = False
                     break
@@ -124,17 +131,12 @@ class Scheduler:
                 rows.append(req)
         return rows
 
-    def _victim(self, requests: list[Request], newer_than: Request | None = None) -> Request | None:
+    @staticmethod
+    def _victim(requests, newer_than=None):
         """The most recently added running request (added after ``newer_than``, when given)."""
         for r in reversed(requests):
             if r is newer_than:
                 return None
-            if r.status in (PREFILLING, DECODING):
+            if r.status in RUNNING:
                 return r
         return None
-
-    def preempt(self, req: Request) -> None:
-        self.manager.free(req.id)
-        req.num_computed_tokens = 0
-        req.status = WAITING
-        req.num_preemptions += 1

@@ -34,6 +34,13 @@ class StopStrings:
         self.matched: str | None = None
         self._overlap = max(len(s) for s in stops) - 1
 
+    def copy(self) -> StopStrings:
+        """An independent copy (a step stages its tokens on one)."""
+        new = object.__new__(StopStrings)
+        new.stops, new.text, new.cut, new.matched = self.stops, self.text.copy(), self.cut, self.matched
+        new._overlap = self._overlap
+        return new
+
     def push(self, token: int, *, search: bool = True) -> str | None:
         """Add one token; returns the stop string it completed (when ``search``), else None."""
         before = len(self.text.text)

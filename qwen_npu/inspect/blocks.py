@@ -164,5 +164,6 @@ def take_blocks(manager, token_ids: Mapping[int, list[int]], step: int = 0) -> B
 
 def take_session_blocks(sess) -> BlocksSnapshot:
     """``take_blocks`` for a Session (its manager, its requests' tokens, its step counter)."""
-    tokens = {r.id: r.all_token_ids for r in sess.requests if sess._engine.manager.has(r.id)}
-    return take_blocks(sess._engine.manager, tokens, sess._step_index)
+    st = sess.state
+    tokens = {r.id: r.all_token_ids for r in sess.requests if st.manager.has(r.id)}
+    return take_blocks(st.manager, tokens, st.step_index)

@@ -174,7 +174,7 @@ def kv_norms(sess, request) -> tuple[torch.Tensor, torch.Tensor]:
     cross to the host.
     """
     req = sess.request(getattr(request, "id", request))
-    engine = sess._engine
+    engine = sess.state.engine
     bs = sess.config.block_size
     table = engine.manager.block_table(req.id)
     n = min(req.num_computed_tokens, len(table) * bs)

@@ -38,7 +38,7 @@ class SlotDetail:
 
 def inspect_slot(sess, slot: int) -> SlotDetail:
     """Describe ``slot`` of ``sess``'s cache (raises InvalidRequestError for a slot outside it)."""
-    engine = sess._engine
+    engine = sess.state.engine
     kv, manager, bs = engine.kv_cache, engine.manager, sess.config.block_size
     if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < kv.num_slots:
         raise InvalidRequestError(f"slot {slot!r} is outside the cache: slots are 0..{kv.num_slots - 1} "

@@ -232,7 +232,7 @@ def take_step(step, block_size: int | None = None) -> StepSnapshot:
 def take_session(sess) -> SessionSnapshot:
     """Copy everything the Session view shows."""
     mc, c = sess.model_config, sess.config
-    engine = sess._engine
+    engine = sess.state.engine
     name = sess.path.name if getattr(sess, "path", None) is not None else "model"
     model = (("layers", mc.num_hidden_layers), ("hidden", mc.hidden_size),
              ("heads", f"{mc.num_attention_heads}q/{mc.num_key_value_heads}kv"), ("head_dim", mc.head_dim),
@@ -247,7 +247,7 @@ def take_session(sess) -> SessionSnapshot:
     faults = f"{emulator.model}, {len(emulator.applied)} applied" if emulator is not None else None
     return SessionSnapshot(
         name, model, settings, take_cache(engine.manager), tuple(take_request(r, bs) for r in sess.requests),
-        sess._step_index, take_step(last, bs) if last is not None else None,
+        sess.state.step_index, take_step(last, bs) if last is not None else None,
         getattr(engine.ledger, "num_collisions", 0), faults)
 
 

@@ -27,20 +27,25 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kernels.metadata import AttentionMetadata
 from .arena import concat_rows
+from .scores import attention_scores
 
 # A hook sees (name, tensor) at a named point of the forward and returns a tensor to use
 # instead, or None to keep it. The points, in the order a layer reaches them (see
 # ``capture_names``; "tokens" = the step's tokens, "rows_out" = the rows that get logits):
 #
 #   embed                     [tokens, hidden]         token embeddings
+#   layers.{i}.resid_pre      [tokens, hidden]         the residual stream entering the layer
 #   layers.{i}.attn.in        [tokens, hidden]         input_layernorm output (what q/k/v project)
 #   layers.{i}.attn.q_pre_rope [tokens, heads, hd]     after q_norm, before RoPE
 #   layers.{i}.attn.k_pre_rope [tokens, kv_heads, hd]  after k_norm, before RoPE
 #   layers.{i}.attn.q         [tokens, heads, hd]      after RoPE: what attention sees
 #   layers.{i}.attn.k         [tokens, kv_heads, hd]   after RoPE: what is written to the cache
 #   layers.{i}.attn.v         [tokens, kv_heads, hd]   what is written to the cache
+#   layers.{i}.attn.scores    [tokens, heads, keys]    q.k * scale before softmax (float32), keys
+#                                                      0..the step's longest row; -inf where masked
 #   layers.{i}.attn.z         [tokens, heads, hd]      attention output per head, before o_proj
 #   layers.{i}.attn.out       [tokens, hidden]         after o_proj
+#   layers.{i}.resid_mid      [tokens, hidden]         the stream after the attention's residual add
 #   layers.{i}.mlp.in         [tokens, hidden]         post_attention_layernorm output
 #   layers.{i}.mlp.act        [tokens, intermediate]   silu(gate) * up, before down_proj
 #   layers.{i}.mlp.out        [tokens, hidden]         after down_proj
@@ -50,9 +55,13 @@ from .arena import concat_rows
 #
 # With a hook the residual stream is materialised after every layer (x + residual, then a zero
 # x); the sum is the one the fused add_rms_norm would form, so the numbers do not change.
+# "resid_pre" and "resid_mid" are the residual add_rms_norm returns; an edit there re-runs the
+# norm on the edited stream. "attn.scores" is built from q and the paged keys (scores.py) only
+# when the hook asks for it: a hook with a ``wants(name)`` method is called only at the points it
+# wants; scores are read only (what the hook returns for them is not used).
 Hook = Callable[[str, torch.Tensor], "torch.Tensor | None"]
 
-ATTN_POINTS = ("in", "q_pre_rope", "k_pre_rope", "q", "k", "v", "z", "out")
+ATTN_POINTS = ("in", "q_pre_rope", "k_pre_rope", "q", "k", "v", "scores", "z", "out")
 MLP_POINTS = ("in", "act", "out")
 
 
@@ -72,8 +81,8 @@ def capture_names(num_layers: int) -> list[str]:
     """Every hook point of the forward, in the order they are reached."""
     names = ["embed"]
     for i in range(num_layers):
-        names += [f"layers.{i}.attn.{p}" for p in ATTN_POINTS]
-        names += [f"layers.{i}.mlp.{p}" for p in MLP_POINTS] + [f"layers.{i}.residual"]
+        names += [f"layers.{i}.resid_pre"] + [f"layers.{i}.attn.{p}" for p in ATTN_POINTS]
+        names += [f"layers.{i}.resid_mid"] + [f"layers.{i}.mlp.{p}" for p in MLP_POINTS] + [f"layers.{i}.residual"]
     return names + ["final_norm", "logits"]
 
 
@@ -142,6 +151,7 @@ class Qwen3Model:
             else:
                 h, residual = k_.add_rms_norm(x, residual, layer.input_norm, eps)
             if hook is not None:
+                residual, h = _hooked_stream(hook, f"layers.{i}.resid_pre", residual, h, k_, layer.input_norm, eps)
                 h = _hooked(hook, f"layers.{i}.attn.in", h)
             qkv = linear(h, layer.qkv)                                         # [tokens, q + 2 kv]
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -164,12 +174,16 @@ class Qwen3Model:
             k_.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
             attn = k_.paged_attention(q, key_cache, value_cache, meta, self.scale)   # [tokens, heads, hd]
             if hook is not None:
+                name = f"layers.{i}.attn.scores"
+                if _wants(hook, name):
+                    hook(name, attention_scores(q, key_cache, meta, self.scale))      # read only
                 attn = _hooked(hook, f"layers.{i}.attn.z", attn)
             x = linear(attn.reshape(t, c.q_size), layer.o)                     # [tokens, hidden]
             if hook is not None:
                 x = _hooked(hook, f"layers.{i}.attn.out", x)
             h, residual = k_.add_rms_norm(x, residual, layer.post_norm, eps)
             if hook is not None:
+                residual, h = _hooked_stream(hook, f"layers.{i}.resid_mid", residual, h, k_, layer.post_norm, eps)
                 h = _hooked(hook, f"layers.{i}.mlp.in", h)
             act = silu_mul(linear(h, layer.gate_up))                          # [tokens, intermediate]
             if hook is not None:
@@ -208,8 +222,26 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _hooked(hook: Hook, name: str, x: torch.Tensor) -> torch.Tensor:
+    if not _wants(hook, name):
+        return x
     y = hook(name, x)
     return x if y is None else y
+
+
+def _wants(hook: Hook, name: str) -> bool:
+    wants = getattr(hook, "wants", None)
+    return True if wants is None else wants(name)
+
+
+def _hooked_stream(hook: Hook, name: str, residual: torch.Tensor, h: torch.Tensor, k_, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual, its norm) after the hook at a residual-stream point; an edit re-runs the norm."""
+    if not _wants(hook, name):
+        return residual, h
+    y = hook(name, residual)
+    if y is None:
+        return residual, h
+    return y, k_.rms_norm(y, weight, eps)
 
 
 def rope_tables(head_dim: int, theta: float, max_positions: int,

@@ -5,18 +5,39 @@
     with sess.intervene(name, fn): ...                   intervene.py  edit an activation in flight
     child = sess.fork()                                  fork.py       branch with copy-on-write KV blocks
     qwen_npu.compare(a, b, requests)                     compare.py    the first place two sessions differ
+    logit_lens(sess, cap, request)                       lens.py       final norm + LM head on any residual
+    direct_logit_attribution(sess, cap, request, t)      attribution.py  per head / MLP direct logit effects
+    activation_patching(sess, clean, corrupted, t)       patching.py   clean -> corrupted, one slice at a time
 
 Hook points and their shapes: ``sess.capture_names()`` and ``qwen_npu/model/qwen3.py``.
 """
 from .attention import AttentionPattern
-from .capture import Capture, CaptureRecord
+from .attribution import DLA_NAMES, LogitAttribution, direct_logit_attribution
+from .capture import Capture, CaptureRecord, CaptureSlice
+from .capture_memory import CaptureEstimate
 from .compare import Divergence, DivergenceReport, compare
 from .intervene import Intervention, add, replace, scale, zero, zero_heads
+from .lens import LogitLens, logit_lens, unembed
+from .patching import PatchingResult, activation_patching
+from .reductions import mean_positions, norm, topk_logits
 
 __all__ = [
+           "DLA_NAMES",
            "AttentionPattern",
            "Capture",
+           "CaptureEstimate",
            "CaptureRecord",
+           "CaptureSlice",
+           "LogitAttribution",
+           "LogitLens",
+           "PatchingResult",
+           "activation_patching",
+           "direct_logit_attribution",
+           "logit_lens",
+           "mean_positions",
+           "norm",
+           "topk_logits",
+           "unembed",
            "Divergence",
            "DivergenceReport",
            "Intervention",

@@ -13,7 +13,9 @@ not cached. So the probabilities are rebuilt from two sources::
 
 so each row sums to 1 over the keys a query may see, and a key the cache lost or corrupted shows
 up in the pattern. ``cache_max_diff`` also reports max |K in the cache - K recomputed| for the
-layer. Nothing of the session changes: cache, ledger, step counter, history and requests stay
+layer. A request run under an edit (``sess.intervene`` before the final norm) is refused: its
+queries cannot be rebuilt from its tokens alone; capture "layers.{i}.attn.scores" inside the
+edit's block instead (the pre-softmax scores of the edited run, from the same paged keys). Nothing of the session changes: cache, ledger, step counter, history and requests stay
 as they were.
 """
 from __future__ import annotations
@@ -107,11 +109,17 @@ def attention_pattern(sess, request, layer: int, head=None, positions=None) -> A
     """See the module docstring; arguments are checked before anything runs."""
     mc = sess.model_config
     req = sess.request(getattr(request, "id", request))
-    manager = sess._engine.manager
+    manager = sess.state.manager
     n = req.num_computed_tokens
     if not manager.has(req.id) or n == 0:
         raise InvalidRequestError(f"request {req.id} is {req.status} and holds no computed K/V in the cache; "
                                   f"call attention while it is prefilling or decoding")
+    edited = manager.private_reason(req.id)
+    if edited is not None:
+        raise InvalidRequestError(
+            f"sess.attention cannot rebuild the queries of request {req.id}: {edited}, and a side forward "
+            f"from its tokens would miss the edit; capture 'layers.{layer}.attn.scores' inside the "
+            f"intervene block instead (softmax over its last axis is the pattern)")
     if not isinstance(layer, int) or not 0 <= layer < mc.num_hidden_layers:
         raise InvalidRequestError(f"layer={layer!r}: choose an int in 0..{mc.num_hidden_layers - 1}")
     heads = tuple(range(mc.num_attention_heads)) if head is None else (
@@ -124,7 +132,7 @@ def attention_pattern(sess, request, layer: int, head=None, positions=None) -> A
         raise InvalidRequestError(f"positions={positions!r}: request {req.id} has K/V for positions 0..{n - 1}")
     token_ids = req.all_token_ids[:n]
     q, k_dense = _side_forward(sess.model, token_ids, layer)           # [n, heads, hd], [n, kv_heads, hd]
-    key_cache = sess._engine.kv_cache.keys[layer]
+    key_cache = sess.state.kv_cache.keys[layer]
     bs = key_cache.shape[1]
     table = manager.block_table(req.id)
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)], dtype=torch.int64)
@@ -170,6 +178,7 @@ def _side_forward(model, token_ids: list[int], layer: int) -> tuple[torch.Tensor
             got[name] = x
         elif name == stop:
             raise _Stop
+    hook.wants = (want_q, want_k, stop).__contains__       # the forward skips every other point
 
     try:
         with torch.no_grad():

@@ -1,30 +1,46 @@
 """``with sess.capture(names) as cap:`` — named activations of every step run inside the block.
 
-Each step's tensor at a hook point is cloned once when the forward reaches it (a snapshot: later
-steps and later edits cannot change it) and split by request row::
+At each hook point the chosen tokens of the chosen rows are gathered in one copy (a snapshot:
+later steps and later edits cannot change it), reduced and offloaded if asked, and split by
+request row::
 
     cap.get("layers.1.attn.q", step=4, request=2)   # [tokens of that row in step 4, heads, hd]
     cap.stack("layers.1.attn.q", request=2)          # every captured position, in position order
     cap.positions(request=2)                         # the positions of that stack
 
+Options (all checked before the block opens):
+
+    positions="last"        only each row's last token of a step (the one whose logits pick the next)
+    positions="generated"   only positions past the prompt (the generated tokens)
+    positions=[3, 7] / 5    only those absolute positions (a cached one is recomputed or refused)
+    reduce=fn               fn(x [tokens, ...]) -> [tokens, ...] on the device before keeping
+                            (reductions.py: norm(), topk_logits(k), mean_positions())
+    offload="host"          copy what is kept to host memory (pinned when the device allows),
+                            non_blocking: no host sync in the step; the first read waits for it
+    budget=bytes            refuse the block (estimate) or a step (exact) that would keep more
+    on_step=fn              streaming: fn(CaptureSlice) per name and row as the forward reaches it;
+                            nothing is kept (offloaded slices: ``slice.wait()`` before reading)
+
 "final_norm" and "logits" have one row per request row that produced logits (its last token).
-Tensors stay on the model's device. The capture keeps what it recorded after the block closes;
-nothing of it stays attached to the session.
+"attn.scores" rows are cut to the keys the row's last chosen token sees. A request admitted inside
+the block recomputes the cached prefix positions the capture wants (see hooks.py). The capture keeps
+what it recorded after the block closes; nothing of it stays attached to the session.
 """
 from __future__ import annotations
 
 import dataclasses
-import html
 
 import torch
 
 from ..errors import InvalidRequestError
-from . import hooks
+from ..inspect.html import fmt_bytes
+from . import capture_memory, hooks
+from .capture_views import CaptureViews
 
 
 @dataclasses.dataclass
 class CaptureRecord:
-    """What one request row of one step produced: ``tensors[name]`` is [tokens of the row, ...]."""
+    """What one request row of one step produced: ``tensor(name)`` is [tokens of the row, ...]."""
 
     step: int
     kind: str
@@ -35,156 +51,281 @@ class CaptureRecord:
     def tensor(self, name: str) -> torch.Tensor:
         parts = self.chunks[name]
         if len(parts) > 1:                      # a runner that called the forward several times
-            self.chunks[name] = parts = [torch.cat(parts)]
+            self.chunks[name] = parts = [_cat(parts)]
         return parts[0]
 
 
-class Capture:
+@dataclasses.dataclass(frozen=True)
+class CaptureSlice:
+    """What a streaming capture hands its callback: one name, one request row, one step."""
+
+    step: int
+    kind: str
+    request_id: int
+    name: str
+    positions: list[int]
+    tensor: torch.Tensor                # [tokens, ...] (reduced; on the host with offload="host")
+    event: object = None                # the pending host copy's event (offload="host" on a device)
+
+    def wait(self) -> torch.Tensor:
+        """The tensor once its host copy is complete (a no-op unless offloaded from a device)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensor
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    width = max(p.shape[-1] for p in parts) if parts[0].dim() > 1 else 0
+    if parts[0].dim() == 3 and any(p.shape[-1] != width for p in parts):        # scores of several calls
+        parts = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=float("-inf")) for p in parts]
+    return torch.cat(parts)
+
+
+class Capture(CaptureViews):
     """Recorded activations by (step, request, name); a context manager (see module docstring)."""
 
     is_capture = True
 
-    def __init__(self, sess, names, *, requests=None):
+    def __init__(self, sess, names, *, requests=None, positions=None, reduce=None, offload=None,
+                 budget=None, on_step=None):
         self.names = hooks.resolve_names(names, sess.model_config.num_hidden_layers)
         self._wanted = hooks.request_ids(sess, requests)
         self._sess = sess
+        self.position_filter, self.absolute_positions = _positions(positions)
+        if reduce is not None and not callable(reduce):
+            raise InvalidRequestError(f"capture: reduce must be callable (tensor -> tensor), not "
+                                      f"{type(reduce).__name__}")
+        if offload not in (None, "host"):
+            raise InvalidRequestError(f"capture: offload={offload!r}; use None (keep on the device) or "
+                                      f"'host'")
+        bad_budget = isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0
+        if budget is not None and bad_budget:
+            raise InvalidRequestError(f"capture: budget={budget!r}; give a number of bytes >= 0 (or None)")
+        if on_step is not None and not callable(on_step):
+            raise InvalidRequestError("capture: on_step must be callable (CaptureSlice -> None)")
+        self.reduce, self.offload, self.budget, self.on_step = reduce, offload, budget, on_step
+        self.accumulates = bool(getattr(reduce, "accumulate", False))
+        self.streams = on_step is not None
+        self.position_bytes = capture_memory.PositionBytes(sess.model_config, sess.model.dtype, reduce)
+        device = sess.model.device
+        self.pinned = offload == "host" and device.type != "cpu" and _can_pin()
         self._records: dict[tuple[int, int], CaptureRecord] = {}
+        self._sums: dict[tuple[int, str], list] = {}           # (request, name) -> [float32 sum, count]
+        # mean_positions: (request, name, sum, count, step) of steps not yet folded into _sums
+        self._pending: list[tuple[int, str, torch.Tensor, int, int]] = []
         self._steps: dict[int, str] = {}
+        self._seen: dict[int, set[int]] = {}
+        self._event = None
+        self._kept = 0
+        # what the step in progress captured: published by commit_step only, so a step that fails or
+        # is interrupted leaves no record (streamed slices go to on_step after the commit)
+        self._staged = _Staged()
+        self._staged_seen: dict[int, set[int]] | None = None
         self.active = False
         self._used = False
 
     # ---- the context --------------------------------------------------------------------------
+    def estimate(self, requests=None) -> capture_memory.CaptureEstimate:
+        """What this capture would keep if the chosen (default: live, wanted) requests ran to the end."""
+        if requests is None:
+            reqs = [r for r in self._sess.requests if not r.is_done and hooks.wants_request(self, r.id)]
+        else:
+            many = requests if isinstance(requests, (list, tuple)) else [requests]
+            reqs = [self._sess.request(getattr(r, "id", r)) for r in many]
+        return capture_memory.estimate(self, reqs)
+
     def __enter__(self) -> Capture:
         if self._used:
             raise InvalidRequestError("this capture was already used; call sess.capture(...) again")
-        hooks.attach(self._sess._engine, self)
+        if self.budget is not None:
+            est = self.estimate()
+            if est.bytes > self.budget:
+                raise InvalidRequestError(self._over_budget(est.bytes, f"the live requests {list(est.requests)} "
+                                                            f"run to their max_new_tokens"))
+        hooks.attach(self._sess.state.engine, self)
         self.active = self._used = True
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks.detach(self._sess._engine, self)
+        hooks.detach(self._sess.state.engine, self)
         self.active = False
 
+    def _over_budget(self, need: int, what: str) -> str:
+        return (f"capture of {', '.join(self.names[:3])}{' ...' if len(self.names) > 3 else ''} would keep "
+                f"{fmt_bytes(need)} for {what}, over its budget of {fmt_bytes(int(self.budget))}; narrow "
+                f"names, requests or positions ('last', 'generated'), reduce on the device, or stream "
+                f"with on_step")
+
     # ---- called by the step hook ---------------------------------------------------------------
+    def keeps_position(self, req, p: int, step_last: int | None = None) -> bool:
+        f = self.position_filter
+        if f is None:
+            return True
+        if f == "generated":
+            return p >= len(req.prompt_token_ids)
+        if f == "last":
+            return step_last is None or p == step_last
+        return p in self.absolute_positions
+
+    def prefix_limit(self, request_id: int) -> int | None:
+        if not hooks.wants_request(self, request_id) or self.position_filter in ("last", "generated"):
+            return None
+        return min(self.absolute_positions) if self.absolute_positions else 0
+
+    def check_step(self, plan) -> None:
+        seen = {rid: set(ps) for rid, ps in self._seen.items()}
+        hooks.check_step(self, plan, seen, "capture names")
+        self._staged_seen = seen
+        self._fold()
+        if self.budget is None or self.streams:
+            return
+        need = 0
+        for row in plan.rows[:plan.num_active]:
+            if not hooks.wants_request(self, row.request.id):
+                continue
+            ps = [p for p in range(row.start, row.end) if self.keeps_position(row.request, p, row.end - 1)]
+            for name in self.names:
+                rows = ps if name not in hooks.ROW_NAMES else ([row.end - 1] if row.needs_logits else [])
+                if self.accumulates:              # one running sum per request and name
+                    rows = rows[:1] if (row.request.id, name) not in self._sums else []
+                need += sum(self.position_bytes(name, p) for p in rows)
+        if self._kept + need > self.budget:
+            raise InvalidRequestError(f"step {plan.index}: " + self._over_budget(
+                self._kept + need, f"the {fmt_bytes(self._kept)} kept so far and this step"))
+
     def begin_step(self, plan) -> None:
-        # a step that failed inside its forward is run again under the same index: start clean
-        for key in [k for k in self._records if k[0] == plan.index]:
-            del self._records[key]
-        self._steps.pop(plan.index, None)
+        self._staged = _Staged()
+        self._last = {row.request.id: row.end - 1 for row in plan.rows[:plan.num_active]}
 
     def on_tensor(self, plan, name: str, x: torch.Tensor, spans) -> None:
-        owned = self._sess._requests
-        wanted = self._wanted
-        snap = None
+        chosen, picks = [], []
         for s in spans:
             rid = s.request_id
-            if (rid not in owned) if wanted is None else (rid not in wanted):
+            if not hooks.wants_request(self, rid):
                 continue
-            if snap is None:
-                snap = x.detach().clone()        # one copy per call; rows below are views of it
-                self._steps[plan.index] = plan.kind
-            rec = self._records.get((plan.index, rid))
+            req = self._sess.state.requests[rid]
+            keep = [j for j, p in enumerate(s.positions) if self.keeps_position(req, p, self._last.get(rid))]
+            if keep:
+                chosen.append((s, keep, len(picks)))
+                picks += [s.start + j for j in keep]
+        if not picks:
+            return
+        staged = self._staged
+        staged.steps[plan.index] = plan.kind
+        if picks == list(range(picks[0], picks[-1] + 1)):
+            snap = x.detach()[picks[0]:picks[-1] + 1]
+        else:
+            snap = x.detach().index_select(0, torch.tensor(picks, dtype=torch.int64, device=x.device))
+        if name.endswith(".attn.scores"):
+            snap = snap[..., :max(max(s.positions[j] for j in keep) for s, keep, _ in chosen) + 1]
+        if self.reduce is not None:
+            snap = self.reduce(snap)
+        if snap.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            snap = snap.clone()                 # a snapshot: the forward may reuse x's memory
+        if self.accumulates:
+            for s, keep, at in chosen:
+                total = snap[at:at + len(keep)].sum(0)
+                staged.sums.append((s.request_id, name, total, len(keep), plan.index))
+            return
+        event = None
+        if self.offload == "host" and snap.device.type != "cpu":
+            host = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=self.pinned)
+            host.copy_(snap, non_blocking=True)
+            snap = host
+            self._event = event = _record_event(x.device)
+        cut = name.endswith(".attn.scores") and self.reduce is None
+        for s, keep, at in chosen:
+            positions = [s.positions[j] for j in keep]
+            part = snap[at:at + len(keep)]
+            if cut:                             # the keys this row's tokens may see
+                part = part[..., :max(positions) + 1]
+            if self.streams:
+                staged.slices.append(CaptureSlice(plan.index, plan.kind, s.request_id, name, positions, part,
+                                                  event))
+                continue
+            rec = staged.records.get((plan.index, s.request_id))
             if rec is None:
-                rec = self._records[(plan.index, rid)] = CaptureRecord(plan.index, plan.kind, rid, {}, {})
-            rec.chunks.setdefault(name, []).append(snap[s.start:s.end])
-            rec.positions.setdefault(name, []).extend(s.positions)
+                rec = CaptureRecord(plan.index, plan.kind, s.request_id, {}, {})
+                staged.records[(plan.index, s.request_id)] = rec
+            rec.chunks.setdefault(name, []).append(part)
+            rec.positions.setdefault(name, []).extend(positions)
+        if not self.streams:
+            staged.kept += snap.nbytes
 
-    # ---- reading --------------------------------------------------------------------------------
-    @property
-    def steps(self) -> list[int]:
-        """Indices of the steps that recorded something, in order."""
-        return sorted(self._steps)
+    def commit_step(self, index: int) -> None:
+        """The step committed: publish what it captured (plain assignments)."""
+        staged = self._staged
+        if self._staged_seen is not None:
+            self._seen = self._staged_seen
+        self._records.update(staged.records)
+        self._steps.update(staged.steps)
+        self._kept += staged.kept
+        self._pending.extend(staged.sums)
+        self._staged, self._staged_seen = _Staged(slices=staged.slices), None
 
-    @property
-    def request_ids(self) -> list[int]:
-        return sorted({rid for _, rid in self._records})
+    def after_commit(self) -> None:
+        """Hand the committed step's slices to ``on_step`` (user code runs with the state whole)."""
+        slices, self._staged.slices = self._staged.slices, []
+        for piece in slices:
+            self.on_step(piece)
 
-    @property
-    def records(self) -> list[CaptureRecord]:
-        """Every (step, request) record, in step then request order."""
-        return [self._records[k] for k in sorted(self._records)]
+    def _fold(self) -> None:
+        """Add the committed per-step sums of ``mean_positions`` into the totals."""
+        for rid, name, total, n, _step in self._pending:
+            got = self._sums.get((rid, name))
+            if got is None:
+                self._sums[(rid, name)] = [total, n]
+                self._kept += total.nbytes
+            else:
+                got[0] = got[0] + total
+                got[1] += n
+        self._pending = []
 
-    def _name(self, name: str) -> str:
-        if name not in self.names:
-            found = hooks.resolve_names(name, self._sess.model_config.num_hidden_layers)
-            raise InvalidRequestError(f"{found[0]!r} was not captured; this capture holds "
-                                      f"{', '.join(self.names)}")
-        return name
+    def _sync(self) -> None:
+        """Wait for the offload copies (the only host sync, at the first read)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        self._fold()
 
-    def get(self, name: str, step, request) -> torch.Tensor:
-        """The tensor of ``name`` for one request row of one step: [tokens of the row, ...]."""
-        self._name(name)
-        step = getattr(step, "index", step)
-        rid = getattr(request, "id", request)
-        rec = self._records.get((step, rid))
-        if rec is None or name not in rec.chunks:
-            raise InvalidRequestError(f"nothing captured for request {rid} in step {step} (captured steps "
-                                      f"{self.steps}, requests {self.request_ids})")
-        return rec.tensor(name)
 
-    def __getitem__(self, name: str) -> dict[tuple[int, int], torch.Tensor]:
-        """``{(step, request id): tensor}`` of one name."""
-        self._name(name)
-        return {k: r.tensor(name) for k, r in sorted(self._records.items()) if name in r.chunks}
+@dataclasses.dataclass
+class _Staged:
+    """What one step in progress captured, until its commit."""
+    records: dict = dataclasses.field(default_factory=dict)
+    steps: dict = dataclasses.field(default_factory=dict)
+    sums: list = dataclasses.field(default_factory=list)
+    slices: list = dataclasses.field(default_factory=list)
+    kept: int = 0
 
-    def _ordered(self, name: str, request) -> tuple[list[int], list[tuple[CaptureRecord, int]]]:
-        """Positions ascending and, for each, (record, row) of its latest computation."""
-        self._name(name)
-        rid = getattr(request, "id", request)
-        latest: dict[int, tuple[CaptureRecord, int]] = {}
-        for rec in self.records:
-            if rec.request_id == rid and name in rec.chunks:
-                for j, p in enumerate(rec.positions[name]):
-                    latest[p] = (rec, j)          # a recomputed position (after preemption) wins
-        if not latest:
-            raise InvalidRequestError(f"nothing of {name!r} captured for request {rid} (captured requests "
-                                      f"{self.request_ids})")
-        order = sorted(latest)
-        return order, [latest[p] for p in order]
 
-    def positions(self, request, name: str | None = None) -> list[int]:
-        """The positions ``stack(name, request)`` returns, ascending."""
-        return self._ordered(name or self.names[0], request)[0]
+def _positions(positions):
+    """(filter, absolute positions) from ``positions=``; a clear error for anything else."""
+    if positions is None or positions in ("last", "generated"):
+        return positions, None
+    if isinstance(positions, int) and not isinstance(positions, bool):
+        positions = [positions]
+    try:
+        got = frozenset(positions)
+    except TypeError:
+        got = None
+    if got is None or not got or any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in got):
+        raise InvalidRequestError(f"capture: positions={positions!r}; use None (all), 'last', 'generated', "
+                                  f"or absolute positions (ints >= 0)")
+    return "absolute", got
 
-    def steps_of(self, request, name: str | None = None) -> list[int]:
-        """For each position of ``positions(request, name)``, the step that computed it."""
-        return [rec.step for rec, _ in self._ordered(name or self.names[0], request)[1]]
 
-    def stack(self, name: str, request) -> torch.Tensor:
-        """Every captured position of one request, in position order: [positions, ...]."""
-        _, where = self._ordered(name, request)
-        return torch.stack([rec.tensor(name)[j] for rec, j in where])
+def _can_pin() -> bool:
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except RuntimeError:
+        return False
 
-    # ---- views ------------------------------------------------------------------------------------
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for r in self._records.values() for parts in r.chunks.values() for t in parts)
 
-    def _summary(self) -> list[str]:
-        names = list(self.names)
-        shown = ", ".join(names[:6]) + (f", ... ({len(names)} names)" if len(names) > 6 else "")
-        kinds = {}
-        for k in self._steps.values():
-            kinds[k] = kinds.get(k, 0) + 1
-        steps = self.steps
-        span = f"{steps[0]}..{steps[-1]}" if steps else "none"
-        how = ", ".join(f"{n} {k}" for k, n in kinds.items())
-        state = "recording" if self.active else "closed"
-        return [f"Capture ({state}): {shown}",
-                f"  steps {span} ({len(steps)}{': ' + how if how else ''}), requests {self.request_ids}, "
-                f"{len(self._records)} rows, {self.nbytes / 1024:.1f} KiB"]
-
-    def __repr__(self) -> str:
-        lines = self._summary()
-        for rec in self.records[:8]:
-            pos = next(iter(rec.positions.values()))
-            first = rec.tensor(self.names[0]) if self.names[0] in rec.chunks else None
-            shape = f" {self.names[0]} {list(first.shape)}" if first is not None else ""
-            lines.append(f"  step {rec.step} ({rec.kind}) request {rec.request_id}: positions "
-                         f"{pos[0]}..{pos[-1]}{shape}")
-        if len(self._records) > 8:
-            lines.append(f"  ... and {len(self._records) - 8} more rows (see .records)")
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        return f"<pre style='font-size:12px'>{html.escape(repr(self))}</pre>"
+def _record_event(device: torch.device):
+    mod = getattr(torch, device.type, None)
+    event = mod.Event() if mod is not None and hasattr(mod, "Event") else None
+    if event is not None:
+        event.record()
+    return event

@@ -20,14 +20,23 @@ slot checks and ``check()`` see the requests of every branch; ``reset()`` of one
 only its own requests; steps of the branches may interleave, but a step's logits are only valid
 until the next step of any branch reuses the output buffer (clone them to keep them); a step of
 the parent is not one of the child's (each history and step counter is its own, the child's
-starting where the parent's was). ``close()`` frees the shared cache for every branch.
+starting where the parent's was).
+
+A branch owns its requests: ``branch.close()`` aborts them and frees their blocks (only theirs),
+and so does dropping the last reference to a branch (its finalizer queues the requests on the
+engine; the next call on any branch aborts them — a finalizer may run in the middle of a step,
+so it never changes state itself). ``close()`` of the session that created the cache closes
+every branch. A branch is never given a sibling's blocks by preemption: when its waiting
+requests need blocks that other branches hold, its step is refused naming those requests.
 """
 from __future__ import annotations
 
 import weakref
 
 from ..engine import sampler
+from ..engine.draft import StepDraft
 from ..engine.engine import check_not_pending
+from ..engine.transaction import KVGuard, deferred_interrupts, fault_point
 from ..engine.request import ABORTED, SamplingParams
 from ..errors import InvalidRequestError, OutOfBlocksError
 
@@ -41,6 +50,9 @@ class Branches:
     def add(self, sess) -> None:
         self._refs.append(weakref.ref(sess))
 
+    def remove(self, sess) -> None:
+        self._refs = [r for r in self._refs if r() is not None and r() is not sess]
+
     def sessions(self) -> list:
         alive = [s for s in (r() for r in self._refs) if s is not None]
         self._refs = [weakref.ref(s) for s in alive]
@@ -50,14 +62,13 @@ class Branches:
         """Every branch's requests by id (ids are unique across branches)."""
         out = {}
         for s in self.sessions():
-            out.update(s._requests)
+            out.update(s.state.requests)
         return out
 
 
 def visible_requests(sess) -> dict:
     """The requests a whole-cache check must know: every branch's, or just this session's."""
-    branches = sess._engine.branches
-    return sess._requests if branches is None else branches.requests()
+    return sess.state.visible_requests()
 
 
 def _sampling_for(sess, req, sampling):
@@ -84,37 +95,94 @@ def fork_session(sess, sampling=None):
     """Branch ``sess`` (see the module docstring). ``sampling`` (SamplingParams or dict) replaces
     every forked request's sampling from its next token on (``max_new_tokens`` still counts all of
     the request's output); None keeps each request's own, and its random stream continues exactly
-    where the parent's is, so an unchanged child samples what the parent samples."""
-    check_not_pending(sess.last_step, "fork")
-    engine = sess._engine
-    manager, bs = engine.manager, sess.config.block_size
+    where the parent's is, so an unchanged child samples what the parent samples.
+
+    A transaction like a step: the block copies are planned on a draft of the cache manager, and
+    nothing the parent or the engine holds changes unless the whole fork succeeds."""
+    st = sess.state
+    st.engine.collect_dropped()
+    check_not_pending(sess.last_step, "fork", st.requests)
+    engine = st.engine
+    bs = sess.config.block_size
     live = [r for r in sess.requests if not r.is_done]
     plans = [(r, _sampling_for(sess, r, sampling)) for r in live]
+    draft = StepDraft(engine.manager, {})
+    manager = draft.manager
     copies_needed = sum(1 for r in live if manager.has(r.id) and manager.num_computed_tokens(r.id) % bs)
     if copies_needed > manager.num_free_blocks:
         raise OutOfBlocksError(f"fork needs {copies_needed} free blocks to copy the partly filled last block "
                                f"of each request, but only {manager.num_free_blocks} are free")
     child = type(sess)(sess.model, sess.config, path=sess.path, tokenizer=sess.tokenizer, engine=engine)
-    child._step_index = sess._step_index
-    if engine.branches is None:
-        engine.branches = Branches(sess)
-    engine.branches.add(child)
-    last_step = max(sess._step_index - 1, 0)
-    for r, sp in plans:
-        c = child._add(list(r.prompt_token_ids), r.prompt_text, sp)
+    child._step_index = sess.state.step_index
+    first = engine.next_request_id
+    last_step = max(sess.state.step_index - 1, 0)
+    made, gens, copies, writes = {}, {}, [], ([], [], [])
+    for k, (r, sp) in enumerate(plans):
+        cid = first + k
+        c = made[cid] = child._new_request(cid, list(r.prompt_token_ids), r.prompt_text, sp)
         _copy_state(r, c)
-        g = sess._generators.get(r.id)
+        g = st.generators.get(r.id)
         if sampling is None and g is not None:
-            child._generators[c.id] = clone = sampler.new_generator(sess.model.device, 0)
+            gens[cid] = clone = sampler.new_generator(g.device, 0)
             clone.set_state(g.get_state())
+        elif not sp.greedy:
+            seed = sp.seed if sp.seed is not None else child._seed_rng.getrandbits(63)
+            gens[cid] = sampler.new_generator(sess.model.device, seed)
         if manager.has(r.id):
-            for src, dst in manager.fork(r.id, c.id):
-                engine.kv_cache.copy_block(src, dst)
-                first = (c.num_computed_tokens // bs) * bs
-                positions = list(range(first, c.num_computed_tokens))
-                engine.ledger.record(last_step, [dst * bs + p - first for p in positions],
-                                     [c.id] * len(positions), positions)
+            for src, dst in manager.fork(r.id, cid):
+                copies.append((src, dst, cid))
+                start = (c.num_computed_tokens // bs) * bs
+                for p in range(start, c.num_computed_tokens):
+                    writes[0].append(dst * bs + p - start)
+                    writes[1].append(cid)
+                    writes[2].append(p)
+    fault_point("planned")
+    guard = KVGuard(engine.kv_cache, engine.manager.committed_blocks({dst: cid for _, dst, cid in copies}))
+    try:
+        for src, dst, _ in copies:
+            engine.kv_cache.copy_block(src, dst)
+        ledger = engine.ledger.prepare(last_step, *writes)
+        fault_point("commit")
+    except BaseException:
+        guard.restore()
+        raise
+    with deferred_interrupts():
+        draft.apply({})
+        engine.ledger.apply(ledger)
+        engine.next_request_id = first + len(plans)
+        child._requests.update(made)
+        child._generators.update(gens)
+        if engine.branches is None:
+            engine.branches = Branches(sess)
+        engine.branches.add(child)
+        child._finalizer = weakref.finalize(child, engine.dropped.append, child._requests)
     return child
+
+
+def sibling_holders(sess) -> str:
+    """For a refusal: which requests of other branches hold the blocks this session waits for."""
+    mine = sess.state.requests
+    held = [(rid, len(r.block_table)) for rid, r in sess.state.visible_requests().items()
+            if rid not in mine and not r.is_done and r.block_table]
+    if not held:
+        return ""
+    who = ", ".join(f"request {rid} ({n} blocks)" for rid, n in held)
+    return (f"; its requests need blocks that other branches of this fork hold: {who}. "
+            f"Finish, abort or close those branches (branch.close()) first")
+
+
+def close_branch(sess) -> None:
+    """``close()`` of a branch that does not own the cache: abort its own unfinished requests, free
+    their blocks, and close just this branch; the other branches go on."""
+    engine = sess.state.engine
+    for r in list(sess.requests):
+        if not r.is_done:
+            engine.finish(r, "abort", ABORTED)
+    fin = getattr(sess, "_finalizer", None)
+    if fin is not None:
+        fin.detach()
+    if engine.branches is not None:
+        engine.branches.remove(sess)
 
 
 def _copy_state(src, dst) -> None:
@@ -133,14 +201,15 @@ def reset_branch(sess) -> bool:
     """``reset()`` of a Session that shares its engine: abort its own requests and forget its
     steps, leaving the cache to the other branches. Returns False when no other branch is left
     (then the caller resets the engine as usual)."""
-    engine = sess._engine
+    engine = sess.state.engine
     if not any(s is not sess for s in engine.branches.sessions()):
         engine.branches = None
         return False
     for r in sess.requests:
         if not r.is_done:
             engine.finish(r, "abort", ABORTED)
-    index = sess._step_index
-    sess._init_state()
-    sess._step_index = index
+    index = sess.state.step_index
+    with deferred_interrupts():
+        sess._init_state()
+        sess._step_index = index
     return True

@@ -15,7 +15,14 @@ keeps its own running offset into the step's tokens, so a call's rows are always
 right request and position.
 
 Order at one hook point: interventions in the order their blocks were entered, then captures,
-so a capture records the value the forward goes on with.
+so a capture records the value the forward goes on with. The forward calls the hook only at the
+points some entry names (``StepHook.wants``), so "attn.scores" is built only when asked for.
+
+The prefix cache: while entries are open, ``HookSet.prefix_limit`` tells the cache manager how
+many leading tokens a request admitted now may take from the cache (the first position an entry
+wants to see or edit, rounded down to a block), so those positions are recomputed inside the
+block instead of silently skipped. An entry that wants a position its request computed before
+(and will not compute again) refuses the step before it runs (``check_step``).
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ def resolve_names(patterns, num_layers: int) -> tuple[str, ...]:
     Raises InvalidRequestError, naming close matches, for a name or pattern that matches nothing.
     """
     known = capture_names(num_layers)
+    globbed = [n for n in known if not n.endswith(".attn.scores")]     # costly: only when named
     if isinstance(patterns, str):
         patterns = [patterns]
     patterns = list(patterns)
@@ -45,7 +53,8 @@ def resolve_names(patterns, num_layers: int) -> tuple[str, ...]:
     for p in patterns:
         if not isinstance(p, str):
             raise InvalidRequestError(f"activation names are strings, not {type(p).__name__} ({p!r})")
-        hits = fnmatch.filter(known, p) if any(ch in p for ch in "*?[") else [p] if p in known else []
+        glob = any(ch in p for ch in "*?[")
+        hits = fnmatch.filter(known if "scores" in p else globbed, p) if glob else [p] if p in known else []
         if not hits:
             close = difflib.get_close_matches(p, known, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
@@ -69,6 +78,7 @@ def attach(engine, entry) -> None:
     hooks = engine.hook
     if hooks is None:
         hooks = engine.hook = HookSet()
+        engine.manager.prefix_limit = hooks.prefix_limit
     elif not isinstance(hooks, HookSet):
         raise InvalidRequestError(f"the engine already runs another hook ({hooks!r}); remove it first")
     hooks.entries.append(entry)
@@ -80,6 +90,35 @@ def detach(engine, entry) -> None:
         hooks.entries = [e for e in hooks.entries if e is not entry]
         if not hooks.entries:
             engine.hook = None
+            engine.manager.prefix_limit = None
+
+
+def wants_request(entry, request_id: int) -> bool:
+    """Does ``entry`` (with ``_sess`` and ``_wanted``) look at this request's rows?"""
+    wanted = entry._wanted
+    return request_id in entry._sess.state.requests if wanted is None else request_id in wanted
+
+
+def check_step(entry, plan, seen: dict[int, set[int]], what: str) -> None:
+    """Refuse ``plan`` when ``entry`` names absolute positions that a row's request computed
+    before and never showed to it (they are in the cache and will not be computed again)."""
+    wanted = entry.absolute_positions
+    if wanted is None:
+        return
+    for row in plan.rows[:plan.num_active]:
+        rid = row.request.id
+        if not wants_request(entry, rid):
+            continue
+        missed = sorted(p for p in wanted if p < row.start and p not in seen.get(rid, ()))
+        if missed:
+            shown = missed if len(missed) <= 8 else missed[:8] + ["..."]
+            raise InvalidRequestError(
+                f"step {plan.index}: {what} positions {shown} of request {rid}, but the request already "
+                f"holds their K/V (computed before this block or taken from the prefix cache) and will "
+                f"not compute them again; add the prompt as a new request inside the block (it then "
+                f"recomputes them), open the session with prefix_cache=False if they came from the cache, "
+                f"or pass requests=[...] without request {rid}")
+        seen.setdefault(rid, set()).update(p for p in wanted if row.start <= p < row.end)
 
 
 class HookSet:
@@ -90,9 +129,32 @@ class HookSet:
 
     def begin_step(self, plan) -> StepHook:
         entries = sorted(self.entries, key=lambda e: e.is_capture)      # stable: interventions first
+        for e in entries:                # may refuse the step; nothing has run yet
+            e.check_step(plan)
         for e in entries:
             e.begin_step(plan)
         return StepHook(plan, entries)
+
+    def commit_step(self, index: int) -> None:
+        """The step ``index`` committed: entries publish what they staged for it (plain
+        assignments only: this runs inside the commit)."""
+        for e in self.entries:
+            publish = getattr(e, "commit_step", None)
+            if publish is not None:
+                publish(index)
+
+    def after_commit(self) -> None:
+        """After the commit, with the state whole: entries call user code (streaming callbacks)."""
+        for e in self.entries:
+            deliver = getattr(e, "after_commit", None)
+            if deliver is not None:
+                deliver()
+
+    def prefix_limit(self, request_id: int) -> int | None:
+        """The most leading tokens a request admitted now may take from the prefix cache."""
+        limits = [e.prefix_limit(request_id) for e in self.entries]
+        limits = [n for n in limits if n is not None]
+        return min(limits) if limits else None
 
     def __repr__(self) -> str:
         return f"HookSet({self.entries!r})"
@@ -122,6 +184,20 @@ class StepHook:
         self._rows = [(plan.rows[r].request.id, a, b) for r, a, b in plan.row_slices() if r < plan.num_active]
         self._logit_rows = [(plan.rows[r].request.id, plan.positions[plan.logits_index[k]])
                             for k, r in enumerate(plan.logits_rows)]
+
+    def private_requests(self) -> dict[int, str]:
+        """Requests whose K/V this step computed under an edit (id -> why): the step books them
+        as private on its draft, so their blocks are never published to the prefix cache."""
+        out: dict[int, str] = {}
+        for entries in self.by_name.values():
+            for e in entries:
+                for rid, why in getattr(e, "staged_private", {}).items():
+                    out.setdefault(rid, why)
+        return out
+
+    def wants(self, name: str) -> bool:
+        """Is any entry looking at ``name``? (the forward skips the other points)"""
+        return name in self.by_name
 
     def __call__(self, name: str, x: torch.Tensor):
         entries = self.by_name.get(name)

@@ -7,10 +7,25 @@ chosen request row's slice of the tensor is handed to ``fn``::
                                return the replacement (same shape), or None after editing x in place
 
 The forward goes on with the edited tensor, so the step's logits, its sampled token and the K/V
-it writes to the cache all follow the edit (the cache keeps those K/V after the block: they are
-what the request computed). When the block closes, the hook is removed; later steps run
-unedited. Ready-made edits: ``zero()``, ``zero_heads(*heads)``, ``scale(f)``, ``add(vector)``,
-``replace(tensor)``.
+it writes to the cache all follow the edit (the request keeps those K/V after the block: they are
+what it computed). When the block closes, the hook is removed; later steps run unedited.
+Ready-made edits: ``zero()``, ``zero_heads(*heads)``, ``scale(f)``, ``add(vector)``, ``replace(tensor)``.
+
+The prefix cache never spreads an edit, nor hides a position from it:
+
+* a request edited at any point before the final norm publishes none of its blocks from then on
+  (nor do its forks), so no later request, in this branch or another, reuses edited K/V;
+* a request admitted inside the block recomputes the positions the edit covers instead of taking
+  them from the cache (from its first chosen position, rounded down to a block);
+* naming ``positions`` that a running request already computed before the block is refused,
+  before the step runs, with the positions and the remedy;
+* ``sess.attention`` refuses an edited request (its queries cannot be rebuilt without the edit):
+  capture "layers.{i}.attn.scores" inside the block instead.
+
+Edits of "final_norm" or "logits" change only the sampled tokens, never K/V, so they keep the
+request's blocks shareable. "attn.scores" is a capture point only. A request the scheduler
+preempts after the block closed is recomputed without the edit (its tokens stay as sampled, its
+K/V become the unedited ones, and it may share them again).
 """
 from __future__ import annotations
 
@@ -30,6 +45,10 @@ class Intervention:
             raise InvalidRequestError(f"intervene: fn must be callable (tensor -> tensor | None), not "
                                       f"{type(fn).__name__}")
         self.names = hooks.resolve_names(name, sess.model_config.num_hidden_layers)
+        scores = [n for n in self.names if n.endswith(".attn.scores")]
+        if scores:
+            raise InvalidRequestError(f"intervene: {scores[0]!r} is a capture point only (the kernels fuse "
+                                      f"softmax); edit 'attn.q' or 'attn.k' to change the scores")
         self.fn = fn
         self._sess = sess
         self._wanted = hooks.request_ids(sess, requests)
@@ -41,25 +60,50 @@ class Intervention:
         self.positions = positions
         self.num_edits = 0          # row slices edited so far
         self.active = False
+        self._seen: dict[int, set[int]] = {}     # request id -> chosen positions this block computed
+        # what a step in progress adds; published by commit_step only (a failed step leaves no trace)
+        self._staged_seen: dict[int, set[int]] | None = None
+        self._staged_edits = 0
+        self.staged_private: dict[int, str] = {}  # request id -> why (read by the step's booking)
+
+    @property
+    def absolute_positions(self) -> frozenset[int] | None:
+        return self.positions
+
+    def check_step(self, plan) -> None:
+        seen = {rid: set(ps) for rid, ps in self._seen.items()}
+        hooks.check_step(self, plan, seen, f"intervene({', '.join(self.names[:2])}) names")
+        self._staged_seen = seen
+
+    def prefix_limit(self, request_id: int) -> int | None:
+        """Recompute every position this edit covers (see module docstring)."""
+        if not hooks.wants_request(self, request_id):
+            return None
+        return min(self.positions) if self.positions else 0
 
     def __enter__(self) -> Intervention:
-        hooks.attach(self._sess._engine, self)
+        hooks.attach(self._sess.state.engine, self)
         self.active = True
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks.detach(self._sess._engine, self)
+        hooks.detach(self._sess.state.engine, self)
         self.active = False
 
     def begin_step(self, plan) -> None:
-        pass
+        self._staged_edits, self.staged_private = 0, {}
+
+    def commit_step(self, index: int) -> None:
+        if self._staged_seen is not None:
+            self._seen = self._staged_seen
+        self.num_edits += self._staged_edits
+        self._staged_seen, self._staged_edits, self.staged_private = None, 0, {}
 
     def on_tensor(self, plan, name: str, x: torch.Tensor, spans) -> torch.Tensor | None:
-        owned = self._sess._requests
         out = None
         for s in spans:
             rid = s.request_id
-            if (rid not in owned) if self._wanted is None else (rid not in self._wanted):
+            if not hooks.wants_request(self, rid):
                 continue
             if self.positions is None:
                 idx = slice(s.start, s.end)
@@ -79,7 +123,9 @@ class Intervention:
                     f"step {plan.index}: intervene fn for {name!r} (request {rid}) returned {shape}, "
                     f"expected a tensor of shape {list(part.shape)}")
             out[idx] = got.to(device=out.device, dtype=out.dtype)
-            self.num_edits += 1
+            self._staged_edits += 1
+            if name not in hooks.ROW_NAMES:
+                self.staged_private.setdefault(rid, f"request {rid} was edited at {name!r} in step {plan.index}")
         return out
 
     def __repr__(self) -> str:

@@ -103,14 +103,17 @@ def written_blocks(step, block_size: int) -> set[int]:
 
 
 def record_dispatch(sess: Session, monkeypatch) -> list:
-    """Record ``(plan, sess.blocks)`` at the moment each step is dispatched (before the forward)."""
+    """Record ``(plan, blocks)`` at the moment each step is dispatched (before the forward): the
+    blocks as the step's plan booked them (its draft, which the step's commit publishes)."""
+    from qwen_npu.inspect.blocks import take_blocks
     seen = []
-    runner = sess._engine.runner
-    original = runner.dispatch
+    engine = sess.state.engine
+    original = engine.run
 
-    def dispatch(plan, *args, **kwargs):
-        seen.append((plan, sess.blocks))
-        return original(plan, *args, **kwargs)
+    def run(plan, draft, *args, **kwargs):
+        tokens = {r.id: r.all_token_ids for r in sess.requests if draft.manager.has(r.id)}
+        seen.append((plan, take_blocks(draft.manager, tokens, plan.index)))
+        return original(plan, draft, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "dispatch", dispatch)
+    monkeypatch.setattr(engine, "run", run)
     return seen

@@ -53,8 +53,8 @@ def hf_activations(path, tokens: list[int], *, edits=None) -> dict[str, torch.Te
         return hook
 
     def keep_input(name, shape=None):
-        def hook(module, args):
-            t = args[0]
+        def hook(module, args, kwargs=None):
+            t = args[0] if args else kwargs["hidden_states"]
             out[name] = (t[0] if shape is None else t[0].reshape(t.shape[1], *shape)).detach().clone()
         return hook
 
@@ -64,6 +64,8 @@ def hf_activations(path, tokens: list[int], *, edits=None) -> dict[str, torch.Te
     for i, layer in enumerate(m.layers):
         p, a = f"layers.{i}.", layer.self_attn
         handles += [
+            layer.register_forward_pre_hook(keep_input(p + "resid_pre"), with_kwargs=True),
+            layer.post_attention_layernorm.register_forward_pre_hook(keep_input(p + "resid_mid")),
             layer.input_layernorm.register_forward_hook(keep(p + "attn.in")),
             a.q_norm.register_forward_hook(keep(p + "attn.q_pre_rope", (heads, hd))),
             a.k_norm.register_forward_hook(keep(p + "attn.k_pre_rope", (kv, hd))),
@@ -93,7 +95,19 @@ def hf_activations(path, tokens: list[int], *, edits=None) -> dict[str, torch.Te
         q, k = apply_rotary_pos_emb(out[p + "q_pre_rope"].transpose(0, 1)[None],
                                     out[p + "k_pre_rope"].transpose(0, 1)[None], cos, sin)
         out[p + "q"], out[p + "k"] = q[0].transpose(0, 1), k[0].transpose(0, 1)
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        keys = out[p + "k"].repeat_interleave(group, dim=1)                     # [tokens, heads, hd]
+        scores = torch.einsum("qhd,khd->qhk", out[p + "q"], keys) * cfg.head_dim ** -0.5
+        future = torch.ones(len(tokens), len(tokens), dtype=torch.bool).triu(1)
+        out[p + "scores"] = scores.masked_fill(future[:, None, :], float("-inf"))
     return out
+
+
+def max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want|, with -inf (masked scores) equal only to -inf."""
+    same_inf = torch.isinf(got) & torch.isinf(want) & (got.sign() == want.sign())
+    d = (got - want).abs().masked_fill(same_inf, 0.0)
+    return d.max().item() if d.numel() else 0.0
 
 
 def run_forced(sess: Session, seqs: list[list[int]], prompt_lens: list[int], cap_names=None):

@@ -1,7 +1,7 @@
 """sess.capture: activations of prefill and decode steps against a dense Hugging Face forward."""
 import pytest
 import torch
-from research_kit import TOL, greedy, hf_activations, make_ckpt, open_session, run_forced, sequences
+from research_kit import TOL, greedy, hf_activations, make_ckpt, max_diff, open_session, run_forced, sequences
 
 from qwen_npu import InvalidRequestError
 
@@ -23,7 +23,7 @@ def seqs():
 def forced_run(ckpt, seqs):
     """Two requests, chunked prefill (chunk 6), then teacher-forced decode steps, all captured."""
     sess = open_session(ckpt)
-    reqs, cap, _ = run_forced(sess, seqs, PROMPT_LENS, cap_names="*")
+    reqs, cap, _ = run_forced(sess, seqs, PROMPT_LENS, cap_names=["*", "layers.*.attn.scores"])
     return sess, reqs, cap
 
 
@@ -43,7 +43,7 @@ def test_every_hook_point_of_every_position_matches_dense_hf(ckpt, seqs, forced_
                 assert positions == list(range(n))
             want = ref[name][positions]
             assert got.shape == want.shape, name
-            assert (got - want).abs().max().item() <= TOL, name
+            assert max_diff(got, want) <= TOL, name
 
 
 def test_a_decode_step_capture_splits_rows_by_request(forced_run):
@@ -129,9 +129,12 @@ def test_capture_names_lists_every_point_in_forward_order(ckpt):
     names = sess.capture_names()
     assert names[0] == "embed" and names[-2:] == ["final_norm", "logits"]
     per_layer = [n.split(".", 2)[2] for n in names if n.startswith("layers.0.")]
-    assert per_layer == ["attn.in", "attn.q_pre_rope", "attn.k_pre_rope", "attn.q", "attn.k", "attn.v",
-                         "attn.z", "attn.out", "mlp.in", "mlp.act", "mlp.out", "residual"]
-    assert len(names) == 3 + 12 * 3
+    assert per_layer == ["resid_pre", "attn.in", "attn.q_pre_rope", "attn.k_pre_rope", "attn.q", "attn.k", "attn.v",
+                         "attn.scores", "attn.z", "attn.out", "resid_mid", "mlp.in", "mlp.act", "mlp.out", "residual"]
+    assert len(names) == 3 + 15 * 3
+    # globs leave out the costly scores unless the pattern names them
+    assert "layers.0.attn.scores" not in sess.capture("*").names
+    assert sess.capture("layers.*.attn.scores").names == tuple(f"layers.{i}.attn.scores" for i in range(3))
 
 
 def test_deterministic_mode_captures_every_token_under_its_row(ckpt, seqs, forced_run):

@@ -1,0 +1,125 @@
+"""A step's draft: every change a step makes, staged on private copies until it commits.
+
+    live state ──clone──> StepDraft ── plan / book / sample on the copies ──> apply()
+                 (requests untouched, manager untouched, generators untouched)   │
+                                                                plain assignments ┘
+
+``RequestDraft`` stands in for a ``Request`` while a step is planned and booked: it reads through
+to the request for what never changes (id, prompt, sampling) and keeps its own copy of every field
+a step changes (status, token counts, output tokens, log-probabilities, stop state). ``StepDraft``
+holds the drafts, a clone of the cache manager and copies of the random generators a step draws
+from. Nothing live changes until ``apply``, which only assigns: it cannot fail half way.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import sampler
+from .request import ABORTED, DECODING, FINISHED, PREFILLING, WAITING, Request
+
+# the Request fields a step may change; ``apply`` assigns exactly these
+FIELDS = ("status", "num_computed_tokens", "num_cached_tokens", "num_preemptions", "output_token_ids",
+          "logprobs", "finish_reason", "stop_reason", "stop_strings")
+
+
+class RequestDraft:
+    """A request as a step in progress sees it (see the module docstring)."""
+
+    def __init__(self, req: Request):
+        self.request = req
+        self.status = req.status
+        self.num_computed_tokens = req.num_computed_tokens
+        self.num_cached_tokens = req.num_cached_tokens
+        self.num_preemptions = req.num_preemptions
+        self.output_token_ids = req.output_token_ids          # copied before the first append
+        self.logprobs = req.logprobs
+        self.finish_reason = req.finish_reason
+        self.stop_reason = req.stop_reason
+        self.stop_strings = req.stop_strings
+        self._tokens_copied = False
+
+    def __getattr__(self, name):                 # id, prompt_token_ids, sampling, stop_token_ids, ...
+        return getattr(self.request, name)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in (FINISHED, ABORTED)
+
+    def append_token(self, token: int, logprob=None) -> None:
+        """Stage one sampled token (with its log-probability, when the request records them)."""
+        if not self._tokens_copied:
+            self.output_token_ids = list(self.output_token_ids)
+            if self.logprobs is not None:
+                self.logprobs = list(self.logprobs)
+            if self.stop_strings is not None:
+                self.stop_strings = self.stop_strings.copy()
+            self._tokens_copied = True
+        self.output_token_ids.append(token)
+        if logprob is not None and self.logprobs is not None:
+            self.logprobs.append(logprob)
+
+    def __repr__(self) -> str:
+        return f"RequestDraft({self.request.id}, {self.status}, computed {self.num_computed_tokens})"
+
+
+class StepDraft:
+    """The staged changes of one step: request drafts, a manager clone, generator copies."""
+
+    def __init__(self, manager, requests: dict[int, Request]):
+        self.live_manager = manager
+        self.manager = manager.clone()
+        self.requests = requests
+        self.drafts: dict[int, RequestDraft] = {}
+        self.generators: dict[int, torch.Generator] = {}     # copies that replace the live ones
+
+    def of(self, req) -> RequestDraft:
+        if isinstance(req, RequestDraft):
+            return req
+        d = self.drafts.get(req.id)
+        if d is None:
+            d = self.drafts[req.id] = RequestDraft(req)
+        return d
+
+    def all(self, reqs) -> list[RequestDraft]:
+        return [self.of(r) for r in reqs]
+
+    def generator(self, rid: int, live: dict[int, torch.Generator]) -> torch.Generator | None:
+        """A private copy of request ``rid``'s generator (None for a greedy request)."""
+        g = self.generators.get(rid)
+        if g is None and rid in live:
+            g = self.generators[rid] = sampler.new_generator(live[rid].device, 0)
+            g.set_state(live[rid].get_state())
+        return g
+
+    def finish(self, d: RequestDraft, reason: str, status: str = FINISHED) -> None:
+        d.status, d.finish_reason = status, reason
+        if self.manager.has(d.id):
+            self.manager.free(d.id)
+
+    def apply(self, generators: dict[int, torch.Generator]) -> None:
+        """Publish every staged change: plain assignments only (no call here can raise)."""
+        self.live_manager.adopt(self.manager)
+        for d in self.drafts.values():
+            req = d.request
+            for name in FIELDS:
+                setattr(req, name, getattr(d, name))
+        generators.update(self.generators)
+
+
+def preempt(draft: StepDraft, d: RequestDraft) -> None:
+    """Stage a preemption: the request's blocks go back, it waits to be recomputed."""
+    draft.manager.free(d.id)
+    d.num_computed_tokens = 0
+    d.status = WAITING
+    d.num_preemptions += 1
+
+
+RUNNING = (PREFILLING, DECODING)
