@@ -128,6 +128,7 @@ class SessionConfig:
     decode_padding: str = "runtime"
     kernels: str = "reference"
     deterministic: bool = False     # one forward per token: results independent of batch and chunking
+    sync_timings: bool = False      # end the prepare and forward phases at a device synchronisation
 
     @property
     def max_blocks_per_seq(self) -> int:
