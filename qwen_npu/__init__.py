@@ -7,7 +7,7 @@ from .engine.faults import FaultEmulationWarning
 from .engine.outputs import DeviceLogits, StepResult
 from .engine.request import Completion, Request, SamplingParams
 from .errors import (CheckpointError, DeviceError, InvalidRequestError, OutOfBlocksError, QwenNpuError,
-                     SlotCollisionError, StaleOutputError)
+                     SessionBusyError, SlotCollisionError, StaleOutputError)
 from .research.compare import compare
 from .session import Session
 from .dump import Dump, load_dump  # noqa: E402  isort: skip
@@ -22,7 +22,7 @@ __all__ = [
     "Session", "SamplingParams", "Request", "Completion", "StepResult", "DeviceLogits",
     "check_slot_mapping", "SlotCollisionWarning", "StreamHealthWarning", "FaultEmulationWarning",
     "QwenNpuError", "CheckpointError", "DeviceError", "InvalidRequestError", "OutOfBlocksError",
-    "SlotCollisionError", "StaleOutputError",
+    "SlotCollisionError", "StaleOutputError", "SessionBusyError",
     "compare",
     "load_dump", "Dump", "env_report", "EnvReport", "build_kernels", "TokenLogprob", "StreamEvent", "ScoreResult",
     "MemoryReport",

@@ -27,3 +27,7 @@ class OutOfBlocksError(QwenNpuError):
 
 class DeviceError(QwenNpuError):
     """A requested device or kernel set is not available here."""
+
+
+class SessionBusyError(InvalidRequestError):
+    """Another thread is inside a call on this Session (or a fork sharing its cache); refused at once."""

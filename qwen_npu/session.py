@@ -20,6 +20,7 @@ from . import chat
 from .config import ModelConfig, SessionConfig
 from .engine import sampler
 from .engine.admission import prepare_request
+from .engine.calls import exclusive
 from .engine.engine import Engine, check_not_pending
 from .engine.outputs import StepResult
 from .engine.request import ABORTED, Completion, Request, SamplingParams
@@ -74,6 +75,7 @@ class Session(SessionSteps):
         return cls(model, config, path=Path(path), tokenizer=tokenizer)
 
     # ---- requests -----------------------------------------------------------------------------------
+    @exclusive
     def add_request(self, prompt, sampling: SamplingParams | None = None, *,
                     enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None) -> Request:
         """Queue a prompt (text, token ids or chat messages); returns the live Request.
@@ -131,6 +133,7 @@ class Session(SessionSteps):
         except KeyError:
             raise InvalidRequestError(f"no request with id {request_id}") from None
 
+    @exclusive
     def abort(self, req) -> None:
         """Stop a request wherever it is and free its blocks."""
         self._engine.collect_dropped()
@@ -139,6 +142,7 @@ class Session(SessionSteps):
             raise InvalidRequestError(f"request {req.id} already {req.status}")
         self._engine.finish(req, "abort", ABORTED)
 
+    @exclusive
     def reset(self) -> None:
         """Forget every request and step; empty the cache (back to the state after loading).
         A forked Session (sharing its cache) only aborts its own requests and forgets its steps."""
@@ -156,6 +160,7 @@ class Session(SessionSteps):
     def last_step(self) -> StepResult | None:
         return self.history[-1] if self.history else None
 
+    @exclusive
     def generate(self, prompts, sampling=None, progress=None, *, enable_thinking: bool | None = None,
                  chat_template_kwargs: dict | None = None) -> list[Completion]:
         """Run ``prompts`` to completion with continuous batching; results in input order."""
@@ -188,6 +193,7 @@ class Session(SessionSteps):
         from .streaming import stream
         return stream(self, prompts, sampling, chat.template_kwargs(enable_thinking, chat_template_kwargs))
 
+    @exclusive
     def score(self, prompt, continuation, *, include_prompt: bool = False):
         """Teacher-force ``continuation`` after ``prompt``; per-token log-probabilities (ScoreResult)."""
         from .scoring import score
@@ -208,6 +214,7 @@ class Session(SessionSteps):
     def closed(self) -> bool:
         return getattr(self, "_closed", False)
 
+    @exclusive
     def close(self) -> None:
         """Free the model weights, KV cache and buffers; any later use raises "session is closed"."""
         from .memory import close_session
@@ -276,6 +283,7 @@ class Session(SessionSteps):
         from .inspect.audit import audit_request
         return audit_request(self.kv, self.model, request, tol)
 
+    @exclusive
     def emulate_faults(self, model: str | None):
         """Turn on an EMULATION of what racing writes to one slot may leave on hardware, or None for off.
 
@@ -317,6 +325,7 @@ class Session(SessionSteps):
         from .research.attention import attention_pattern
         return attention_pattern(self, request, layer, head, positions)
 
+    @exclusive
     def fork(self, sampling=None) -> Session:
         """A new Session that branches from this one, sharing its KV blocks copy-on-write.
         See ``qwen_npu.research.fork``."""

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .engine.calls import exclusive
 from .engine.commit import Commit
 from .engine.draft import StepDraft
 from .engine.engine import check_not_pending
@@ -26,6 +27,7 @@ from .errors import InvalidRequestError, StaleOutputError
 class SessionSteps:
     """``prefill``, ``decode_step``, ``sample``, ``step``: the Session's transactions."""
 
+    @exclusive
     def prefill(self, requests=None) -> StepResult:
         """One prefill step over waiting/prefilling requests (default: all, in arrival order;
         a request named twice runs once)."""
@@ -49,6 +51,7 @@ class SessionSteps:
             return "prefill", self._scheduler.prefill_rows(draft, self.requests, cands)
         return self._transact(plan, "prefill", sample=False)
 
+    @exclusive
     def decode_step(self) -> StepResult:
         """One runtime-batch decode step over every decoding request."""
         self._engine.collect_dropped()
@@ -101,6 +104,7 @@ class SessionSteps:
             msg += sibling_holders(self)
         return msg
 
+    @exclusive
     def sample(self, step: StepResult | None = None, *, force=None) -> torch.Tensor:
         """Sample one token per logits row of ``step`` (default: the last) on the device.
 
@@ -145,6 +149,7 @@ class SessionSteps:
             raise InvalidRequestError(f"forced tokens outside the vocabulary: {bad}")
         return out
 
+    @exclusive
     def step(self) -> StepResult:
         """Schedule, run and sample one step: prefill when a prompt can make progress, else decode.
         One transaction: forward and sampling commit together or not at all."""

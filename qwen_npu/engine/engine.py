@@ -31,6 +31,7 @@ from .plan import StepPlan
 from .request import ABORTED, DECODING, FINISHED, Request
 from .commit import Commit, StreamHealthWarning  # noqa: F401 - re-exported
 from .deterministic import TokenByTokenRunner
+from .calls import CallGate
 from .draft import RequestDraft, StepDraft
 from .transaction import KVGuard, deferred_interrupts, fault_point
 from .runner import ModelRunner
@@ -58,6 +59,7 @@ class Engine:
         # object whose ``begin_step(plan)`` returns the Hook for that step (qwen_npu/research/hooks.py)
         self.hook: Hook | None = None
         self.branches = None       # the Sessions sharing this engine after a fork (research/fork.py)
+        self.calls = CallGate()     # one state-changing call at a time, across threads (engine/calls.py)
         self.next_request_id = 0   # request ids are unique per engine, so forked Sessions never clash
         self.faults: FaultEmulator | None = None   # EMULATED hardware faults; off unless asked for
         self.dropped: list[dict] = []   # request maps of branches garbage-collected with live requests
