@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -132,3 +133,9 @@ class SessionConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+def device_outputs_default() -> bool:
+    """``device_outputs=None`` resolved: the ``QWEN_NPU_DEVICE_OUTPUTS`` environment variable,
+    read now (unset or anything but "0" is on). The one place that variable is read."""
+    return os.environ.get("QWEN_NPU_DEVICE_OUTPUTS", "1").strip() != "0"

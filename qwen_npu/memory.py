@@ -167,7 +167,7 @@ def close_session(sess) -> None:
     if getattr(sess, "_closed", False):
         return
     if not getattr(sess, "_owns_engine", True):
-        from .research.fork import close_branch
+        from .session_fork import close_branch
         close_branch(sess)                 # a branch frees only its own requests' blocks
         for step in sess.history:
             step.hidden = None

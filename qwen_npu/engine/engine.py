@@ -57,7 +57,7 @@ class Engine:
         # None (the forward pays one flag check per hook point), a model Hook, or a step hook: an
         # object whose ``begin_step(plan)`` returns the Hook for that step (qwen_npu/research/hooks.py)
         self.hook: Hook | None = None
-        self.branches = None       # the Sessions sharing this engine after a fork (research/fork.py)
+        self.branches = None       # the Sessions sharing this engine after a fork (session_fork.py)
         self.next_request_id = 0   # request ids are unique per engine, so forked Sessions never clash
         self.faults: FaultEmulator | None = None   # EMULATED hardware faults; off unless asked for
         self.dropped: list[dict] = []   # request maps of branches garbage-collected with live requests

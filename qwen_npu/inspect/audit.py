@@ -25,6 +25,7 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from ..errors import InvalidRequestError
+from ..extensions import provides
 from ..kernels.metadata import AttentionMetadata
 
 SHOWN = 20
@@ -136,6 +137,7 @@ def recompute_kv(model, token_ids: list[int], block_size: int) -> KVCache:
     return scratch
 
 
+@provides("session.audit")
 def audit_request(kv, model, request, tol: float | None = None) -> AuditReport:
     """Audit a running ``request`` (Request or id) of the cache behind ``kv`` (a KVView).
 

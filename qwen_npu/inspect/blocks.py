@@ -24,6 +24,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 
 from ..cache.manager import PrefixCacheStats
+from ..extensions import provides
 from . import html as h
 
 FREE, USED, CACHED = "free", "used", "cached"
@@ -162,6 +163,7 @@ def take_blocks(manager, token_ids: Mapping[int, list[int]], step: int = 0) -> B
     return BlocksSnapshot(bs, manager.enable_prefix_cache, tuple(entries), manager.stats, step)
 
 
+@provides("session.blocks")
 def take_session_blocks(sess) -> BlocksSnapshot:
     """``take_blocks`` for a Session (its manager, its requests' tokens, its step counter)."""
     st = sess.state

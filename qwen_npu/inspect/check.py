@@ -23,6 +23,7 @@ import torch
 from ..cache.block_table import blocks_needed
 from ..cache.slot_check import _runs as runs
 from ..engine.request import DECODING, PREFILLING
+from ..extensions import provides
 
 SECTIONS = ("blocks", "requests", "append_only", "slots", "collisions", "values")
 RUNNING = (PREFILLING, DECODING)
@@ -87,6 +88,7 @@ class CheckReport:
         return check_html(self)
 
 
+@provides("session.check")
 def check_session(engine, requests: dict, history) -> CheckReport:
     """Sweep every invariant of a Session's engine, requests and step ``history`` (oldest first)."""
     manager, ledger, cache = engine.manager, engine.ledger, engine.kv_cache

@@ -20,6 +20,7 @@ import torch
 from ..cache.ledger import SlotCollision, SlotWrite
 from ..engine.request import DECODING, PREFILLING, Request
 from ..errors import InvalidRequestError
+from ..extensions import provides
 
 RUNNING = (PREFILLING, DECODING)
 
@@ -69,6 +70,7 @@ class SlotInfo:
         return slot_info_html(self)
 
 
+@provides("session.kv")
 class KVView:
     """The Session's KV cache with its bookkeeping; see the module docstring."""
 

@@ -15,6 +15,8 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
+from ..extensions import implementation, provides
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockCell:
@@ -55,12 +57,10 @@ class RequestSnapshot:
     block_size: int | None = None
 
     def __repr__(self) -> str:
-        from .views import request_text
-        return request_text(self)
+        return implementation("request_text")(self)
 
     def _repr_html_(self) -> str:
-        from .views import request_html
-        return request_html(self)
+        return implementation("request_html")(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +109,10 @@ class StepSnapshot:
         return {s: tuple(rs) for s, rs in sorted(rows.items()) if len(rs) > 1}
 
     def __repr__(self) -> str:
-        from .step_view import step_text
-        return step_text(self)
+        return implementation("step_text")(self)
 
     def _repr_html_(self) -> str:
-        from .step_view import step_html
-        return step_html(self)
+        return implementation("step_html")(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,12 +131,10 @@ class SessionSnapshot:
         return dict(collections.Counter(r.status for r in self.requests))
 
     def __repr__(self) -> str:
-        from .views import session_text
-        return session_text(self)
+        return implementation("session_text")(self)
 
     def _repr_html_(self) -> str:
-        from .views import session_html
-        return session_html(self)
+        return implementation("session_html")(self)
 
 
 # ---- taking snapshots ------------------------------------------------------------------------------
@@ -174,6 +170,7 @@ def take_cache(manager) -> CacheSnapshot:
                          manager.num_free_blocks - num_cached, tuple(cells), manager.enable_prefix_cache, stats)
 
 
+@provides("take_request")
 def take_request(req, block_size: int | None = None) -> RequestSnapshot:
     """Copy a live Request (its text is decoded now). Without ``block_size``, the block size of
     the cache manager that keeps the request's block table is used, when it can be found."""
@@ -194,6 +191,7 @@ def logits_state(logits) -> str:
     return "stale" if logits.is_stale else "live view"
 
 
+@provides("take_step")
 def take_step(step, block_size: int | None = None) -> StepSnapshot:
     """Copy a StepResult (all host tensors; the device logits are described, not read)."""
     qlens = [int(q) for q in step.query_lens.tolist()]
@@ -229,6 +227,7 @@ def take_step(step, block_size: int | None = None) -> StepSnapshot:
         tuple((k, int(v)) for k, v in usage.items()))
 
 
+@provides("session.snapshot")
 def take_session(sess) -> SessionSnapshot:
     """Copy everything the Session view shows."""
     mc, c = sess.model_config, sess.config

@@ -27,6 +27,7 @@ import html
 import torch
 
 from ..errors import InvalidRequestError
+from ..extensions import provides
 from ..kernels import get_kernels
 from ..kernels.metadata import AttentionMetadata
 
@@ -105,6 +106,7 @@ class AttentionPattern:
         return f"<pre style='font-size:12px'>{html.escape(repr(self))}</pre>"
 
 
+@provides("session.attention")
 def attention_pattern(sess, request, layer: int, head=None, positions=None) -> AttentionPattern:
     """See the module docstring; arguments are checked before anything runs."""
     mc = sess.model_config
