@@ -42,10 +42,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "config.json",
                   generation: dict | None = None) -> "ModelConfig":

@@ -210,7 +210,7 @@ class Session(SessionSteps):
 
     def close(self) -> None:
         """Free the model weights, KV cache and buffers; any later use raises "session is closed"."""
-        from .memory import close_session
+        from .session_close import close_session
         close_session(self)
 
     def __enter__(self) -> Session:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..cache.block_table import pad_block_tables
 from ..cache.kv_cache import KVCache
 from ..cache.ledger import SlotLedger
 from ..cache.manager import KVCacheManager
@@ -278,11 +279,7 @@ def _health_codes(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _pad(tables: list[list[int]], width: int) -> torch.Tensor:
-    out = torch.full((len(tables), width), -1, dtype=torch.int32)
-    for r, t in enumerate(tables):
-        if t:
-            out[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out
+    return torch.tensor(pad_block_tables(tables, width), dtype=torch.int32).reshape(len(tables), width)
 
 
 def check_not_pending(last: StepResult | None, action: str, requests: dict | None = None) -> None:

@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from ..cache.block_table import blocks_needed
-from ..cache.slot_check import _runs as runs
+from ..cache.slot_check import ranges_text as runs
 from ..engine.request import DECODING, PREFILLING
 from ..extensions import provides
 

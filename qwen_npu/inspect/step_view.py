@@ -125,12 +125,6 @@ def logits_fields(logits) -> list[tuple[str, str]]:
             ("state", logits_state(logits))]
 
 
-def logits_text(logits) -> str:
-    f = dict(logits_fields(logits))
-    return (f"DeviceLogits(step {f['step']}, shape={tuple(logits.shape)}, dtype={logits.dtype}, "
-            f"device={f['device']}, {f['state']})")
-
-
 @provides("logits_html")
 def logits_html(logits) -> str:
     f = logits_fields(logits)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import html
 
 import torch
 
 from ..errors import InvalidRequestError
 from ..extensions import provides
+from ..inspect import html as H
 from ..kernels import get_kernels
 from ..kernels.metadata import AttentionMetadata
 
@@ -103,7 +103,7 @@ class AttentionPattern:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        return f"<pre style='font-size:12px'>{html.escape(repr(self))}</pre>"
+        return H.pre(repr(self))
 
 
 @provides("session.attention")

@@ -24,7 +24,7 @@ LAYERS = [
     ("cache", 4, ["qwen_npu.cache"]),
     ("engine", 5, ["qwen_npu.engine", "qwen_npu.dump"]),
     ("session", 6, ["qwen_npu.session", "qwen_npu.session_steps", "qwen_npu.session_state",
-                    "qwen_npu.session_fork", "qwen_npu.loading", "qwen_npu.memory", "qwen_npu.scoring",
+                    "qwen_npu.session_fork", "qwen_npu.session_close", "qwen_npu.loading", "qwen_npu.memory", "qwen_npu.scoring",
                     "qwen_npu.streaming"]),
     ("inspect", 7, ["qwen_npu.inspect"]),
     ("research", 8, ["qwen_npu.research"]),
