@@ -1,7 +1,7 @@
 """One KV slot in detail: where it is, who holds it now, who wrote it, and how big its K/V are.
 
     slot 2051 = block 128 * block_size 16 + offset 3
-    holders:  requests whose block table holds block 128, each at position index * 16 + 3
+    holders:  running requests whose computed tokens include the slot (``inspect.kv.slot_holders``)
     history:  the ledger's last writes (request, position, step), oldest first
     norms:    |K| and |V| of the slot in every layer (over kv heads x head_dim)
 
@@ -13,7 +13,6 @@ import dataclasses
 
 import torch
 
-from ..errors import InvalidRequestError
 from . import html as h
 
 
@@ -24,7 +23,7 @@ class SlotDetail:
     offset: int
     ref_count: int
     cached: bool
-    holders: tuple[tuple[int, int], ...]            # (request id, position) per block table holding it
+    holders: tuple[tuple[int, int], ...]            # (request id, position) of running requests reading it
     history: tuple[tuple[int, int, int], ...]       # (request id, position, step), oldest first
     k_norms: tuple[float, ...]                      # per layer
     v_norms: tuple[float, ...]
@@ -39,24 +38,16 @@ class SlotDetail:
 def inspect_slot(sess, slot: int) -> SlotDetail:
     """Describe ``slot`` of ``sess``'s cache (raises InvalidRequestError for a slot outside it)."""
     engine = sess.state.engine
-    kv, manager, bs = engine.kv_cache, engine.manager, sess.config.block_size
-    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < kv.num_slots:
-        raise InvalidRequestError(f"slot {slot!r} is outside the cache: slots are 0..{kv.num_slots - 1} "
-                                  f"({kv.num_blocks} blocks x {bs})")
-    block, offset = divmod(slot, bs)
-    holders = []
-    for rid in manager.request_ids():
-        table = manager.block_table(rid)
-        for i, b in enumerate(table):
-            if b == block:
-                holders.append((rid, i * bs + offset))
-    info = manager.pool.block(block)
-    history = tuple((w.request_id, w.position, w.step) for w in engine.ledger.history(slot))
+    kv = engine.kv_cache
+    slot_info = sess.kv.slot(slot)          # the same validation and the same holders as sess.kv.slot
+    slot, block, offset = slot_info.slot, slot_info.block, slot_info.offset
+    info = engine.manager.pool.block(block)
+    history = tuple((w.request_id, w.position, w.step) for w in slot_info.history)
     with torch.no_grad():
         k = torch.stack([t[block, offset].float().norm() for t in kv.keys])     # [layers]
         v = torch.stack([t[block, offset].float().norm() for t in kv.values])   # [layers]
         norms = torch.stack([k, v]).cpu().tolist()                             # [2, layers]
-    return SlotDetail(slot, block, offset, info.ref_count, info.block_hash is not None, tuple(holders), history,
+    return SlotDetail(slot, block, offset, info.ref_count, info.block_hash is not None, slot_info.held_by, history,
                       tuple(round(x, 4) for x in norms[0]), tuple(round(x, 4) for x in norms[1]))
 
 
