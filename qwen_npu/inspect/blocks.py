@@ -51,6 +51,11 @@ class BlockEntry:
     def is_shared(self) -> bool:
         return self.ref_count > 1
 
+    @property
+    def display_state(self) -> str:
+        """``state``, or "shared" when more than one request holds the block (the grid's colour)."""
+        return "shared" if self.ref_count > 1 or len(self.request_ids) > 1 else self.state
+
 
 @dataclasses.dataclass(frozen=True)
 class BlocksSnapshot:

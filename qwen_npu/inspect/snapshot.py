@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 
 from ..extensions import implementation, provides
+from .blocks import take_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,29 +141,12 @@ class SessionSnapshot:
 # ---- taking snapshots ------------------------------------------------------------------------------
 
 def take_cache(manager) -> CacheSnapshot:
-    """Copy a KVCacheManager's block states (host bookkeeping only)."""
-    pool, bs = manager.pool, manager.block_size
-    holders: dict[int, list[int]] = collections.defaultdict(list)
-    held: dict[int, int] = {}
-    for rid in manager.request_ids():
-        computed = manager.num_computed_tokens(rid)
-        for i, b in enumerate(manager.block_table(rid)):
-            holders[b].append(rid)
-            held[b] = max(held.get(b, 0), min(bs, max(0, computed - i * bs)))
-    cells = []
-    for info in pool.blocks():
-        b = info.block_id
-        owners = tuple(sorted(holders.get(b, ())))
-        if info.ref_count > 1 or len(owners) > 1:
-            state = "shared"
-        elif info.ref_count == 1:
-            state = "used"
-        elif info.block_hash is not None:
-            state = "cached"
-        else:
-            state = "free"
-        tokens = bs if state == "cached" else held.get(b, 0)
-        cells.append(BlockCell(b, info.ref_count, owners, state, tokens))
+    """Copy a KVCacheManager's block states (host bookkeeping only): the cells of ``take_blocks``
+    (the one per-block snapshot), with "shared" for a block more than one request holds."""
+    bs = manager.block_size
+    counts = {rid: range(manager.num_computed_tokens(rid)) for rid in manager.request_ids()}
+    cells = [BlockCell(e.block_id, e.ref_count, e.request_ids, e.display_state, e.num_tokens)
+             for e in take_blocks(manager, counts)]
     s = manager.stats
     stats = tuple((f.name, getattr(s, f.name)) for f in dataclasses.fields(s)) + (("hit_rate", s.hit_rate),)
     num_cached = manager.num_cached_blocks
