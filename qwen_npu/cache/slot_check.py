@@ -76,14 +76,11 @@ class StepWrites:
                 raise ValueError(f"{at}: row {r} has {len(ps)} positions but {len(ss)} slots")
 
 
-@dataclass(frozen=True)
-class SlotReport:
-    """Result of `check_slot_mapping`: `.ok`, `.problems` (sentences), `.items` (SlotProblem)."""
+class ProblemReport:
+    """What a check found, as ``.items`` (each with a ``.message``): ``.ok`` when there is none,
+    ``.problems`` the sentences. The slot check of a step and ``sess.check()`` both report so."""
 
-    items: tuple[SlotProblem, ...]
-    num_tokens: int
-    num_rows: int
-    num_active: int
+    items: tuple
 
     @property
     def ok(self) -> bool:
@@ -92,6 +89,16 @@ class SlotReport:
     @property
     def problems(self) -> tuple[str, ...]:
         return tuple(p.message for p in self.items)
+
+
+@dataclass(frozen=True)
+class SlotReport(ProblemReport):
+    """Result of `check_slot_mapping`: `.ok`, `.problems` (sentences), `.items` (SlotProblem)."""
+
+    items: tuple[SlotProblem, ...]
+    num_tokens: int
+    num_rows: int
+    num_active: int
 
     def _summary(self) -> str:
         return f"{self.num_tokens} tokens in {self.num_rows} rows ({self.num_active} active)"

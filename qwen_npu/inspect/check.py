@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from ..cache.block_table import blocks_needed
+from ..cache.slot_check import ProblemReport
 from ..cache.slot_check import ranges_text as runs
 from ..engine.request import DECODING, PREFILLING
 from ..extensions import provides
@@ -40,7 +41,7 @@ class CheckProblem:
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckReport:
+class CheckReport(ProblemReport):
     """What ``sess.check()`` found: ``.ok``, ``.problems`` (sentences), ``.items`` (with sections)."""
 
     items: tuple[CheckProblem, ...]
@@ -50,14 +51,6 @@ class CheckReport:
     num_blocks: int
     num_layers: int
     num_collisions: int
-
-    @property
-    def ok(self) -> bool:
-        return not self.items
-
-    @property
-    def problems(self) -> tuple[str, ...]:
-        return tuple(p.message for p in self.items)
 
     def section(self, name: str) -> tuple[str, ...]:
         """The problems of one section (see SECTIONS)."""
