@@ -8,7 +8,7 @@
 
 ipywidgets and matplotlib are imported only when ``explore`` or a plot is used.
 """
-from . import audit, blocks, check, digest, kv, report_views, step_view, views  # noqa: F401  register the views
+from . import audit, blocks, check, digest, kv, record_views, report_views, step_view, views  # noqa: F401  register the views
 from .slot_detail import SlotDetail, inspect_slot
 from .snapshot import take as snapshot
 from .topk import TopK, topk

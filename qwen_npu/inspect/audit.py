@@ -25,7 +25,7 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from ..errors import InvalidRequestError
-from ..extensions import provides
+from ..extensions import implementation, provides
 from ..kernels.metadata import AttentionMetadata
 
 SHOWN = 20
@@ -113,8 +113,7 @@ class AuditReport:
         return "\n".join(self._lines())
 
     def _repr_html_(self) -> str:
-        from .report_views import audit_html
-        return audit_html(self)
+        return implementation("audit_html")(self)
 
 
 def recompute_kv(model, token_ids: list[int], block_size: int) -> KVCache:

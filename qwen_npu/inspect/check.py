@@ -24,7 +24,7 @@ from ..cache.block_table import blocks_needed
 from ..cache.slot_check import ProblemReport
 from ..cache.slot_check import ranges_text as runs
 from ..engine.request import DECODING, PREFILLING
-from ..extensions import provides
+from ..extensions import implementation, provides
 
 SECTIONS = ("blocks", "requests", "append_only", "slots", "collisions", "values")
 RUNNING = (PREFILLING, DECODING)
@@ -77,8 +77,7 @@ class CheckReport(ProblemReport):
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:  # deterministic: inline styles, no ids, no scripts
-        from .report_views import check_html
-        return check_html(self)
+        return implementation("check_html")(self)
 
 
 @provides("session.check")

@@ -20,7 +20,7 @@ import torch
 from ..cache.ledger import SlotCollision, SlotWrite
 from ..engine.request import DECODING, PREFILLING, Request
 from ..errors import InvalidRequestError
-from ..extensions import provides
+from ..extensions import implementation, provides
 
 RUNNING = (PREFILLING, DECODING)
 
@@ -66,8 +66,7 @@ class SlotInfo:
         return "\n".join(self._lines())
 
     def _repr_html_(self) -> str:
-        from .report_views import slot_info_html
-        return slot_info_html(self)
+        return implementation("slot_info_html")(self)
 
 
 @provides("session.kv")
@@ -171,8 +170,7 @@ class KVView:
                 f"{k.dtype}, {k.device}; {self.num_slots} slots, {len(self._engine.ledger)} written)")
 
     def _repr_html_(self) -> str:
-        from .report_views import kv_html
-        return kv_html(self)
+        return implementation("kv_html")(self)
 
 
 def slot_holders(manager, requests: dict, slot: int, block_size: int) -> tuple[tuple[int, int], ...]:

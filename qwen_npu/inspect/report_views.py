@@ -15,6 +15,7 @@ from . import html as h
 SHOWN = 20
 
 
+@provides("kv_html")
 def kv_html(kv) -> str:
     """``sess.kv``: the cache tensors' shape and size, what was written, and the block grid."""
     from .grid import block_grid_html
@@ -35,6 +36,7 @@ def kv_html(kv) -> str:
     return h.view("KV cache", body, subtitle=h.esc("[num_blocks, block_size, num_kv_heads, head_dim] per layer"))
 
 
+@provides("slot_info_html")
 def slot_info_html(info) -> str:
     """``sess.kv.slot(s)``: the last write, the holders, the history, collisions and faults."""
     if info.request_id is None:
@@ -55,6 +57,7 @@ def slot_info_html(info) -> str:
     return h.view(title, body)
 
 
+@provides("check_html")
 def check_html(report) -> str:
     """``sess.check()``: ok, or the problems by section."""
     summary = report._summary()
@@ -77,6 +80,7 @@ def _sections(report):
     return seen
 
 
+@provides("audit_html")
 def audit_html(report) -> str:
     """``sess.audit(request)``: per layer max |cached - recomputed| against the tolerance."""
     rows = []

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from . import html as h
+from ..extensions import implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +29,10 @@ class SlotDetail:
     v_norms: tuple[float, ...]
 
     def __repr__(self) -> str:
-        return slot_detail_text(self)
+        return implementation("slot_detail_text")(self)
 
     def _repr_html_(self) -> str:
-        return slot_detail_html(self)
+        return implementation("slot_detail_html")(self)
 
 
 def inspect_slot(sess, slot: int) -> SlotDetail:
@@ -49,31 +49,3 @@ def inspect_slot(sess, slot: int) -> SlotDetail:
         norms = torch.stack([k, v]).cpu().tolist()                             # [2, layers]
     return SlotDetail(slot, block, offset, info.ref_count, info.block_hash is not None, slot_info.held_by, history,
                       tuple(round(x, 4) for x in norms[0]), tuple(round(x, 4) for x in norms[1]))
-
-
-def _state(d: SlotDetail) -> str:
-    if d.ref_count > 1:
-        return f"shared (ref count {d.ref_count})"
-    if d.ref_count == 1:
-        return "used"
-    return "cached (ref count 0, reusable prefix)" if d.cached else "free"
-
-
-def slot_detail_text(d: SlotDetail) -> str:
-    held = ", ".join(f"request {r} position {p}" for r, p in d.holders) or "nobody"
-    hist = "; ".join(f"request {r} position {p} at step {s}" for r, p, s in d.history) or "never written"
-    norms = ", ".join(f"L{i} {k:.3f}/{v:.3f}" for i, (k, v) in enumerate(zip(d.k_norms, d.v_norms)))
-    return (f"Slot {d.slot} (block {d.block}, offset {d.offset}): {_state(d)}\n  held by: {held}\n"
-            f"  writes: {hist}\n  |K|/|V| by layer: {norms}")
-
-
-def slot_detail_html(d: SlotDetail) -> str:
-    held = " ".join(f"{h.request_chip(r)} position {p}" for r, p in d.holders) or h.muted("nobody")
-    rows = [(h.request_chip(r), str(p), str(s)) for r, p, s in d.history]
-    hist = h.table(("request", "position", "step"), rows) if rows else h.muted("never written")
-    norms = h.table(["layer"] + [str(i) for i in range(len(d.k_norms))],
-                    [["|K|"] + [f"{x:.3f}" for x in d.k_norms], ["|V|"] + [f"{x:.3f}" for x in d.v_norms]])
-    body = (h.fields([("block", str(d.block)), ("offset", str(d.offset)), ("state", h.esc(_state(d)))])
-            + h.section("held by", held) + h.section("write history (oldest first)", hist)
-            + h.section("K/V norms", norms))
-    return h.view(f"Slot {d.slot}", body)

@@ -103,6 +103,22 @@ def test_no_module_imports_upward(graph):
     assert bad == [], "imports against the layering:\n" + "\n".join(bad)
 
 
+# inside inspect: records (plain frozen dataclasses and the functions that take them) never import
+# a renderer; they render themselves through qwen_npu.extensions
+INSPECT_RECORDS = ["snapshot", "blocks", "kv", "check", "audit", "digest", "slot_detail", "topk"]
+INSPECT_RENDERERS = ["html", "grid", "views", "step_view", "report_views", "record_views", "explorer",
+                     "explorer_html", "plots"]
+
+
+def test_inspect_records_do_not_import_renderers(graph):
+    inspect_modules = {m.rpartition(".")[2] for m in graph if m.startswith("qwen_npu.inspect.")}
+    assert inspect_modules == set(INSPECT_RECORDS) | set(INSPECT_RENDERERS)
+    bad = [f"{rec} -> {dst}" for rec in INSPECT_RECORDS
+           for dst in sorted(graph[f"qwen_npu.inspect.{rec}"])
+           if dst.rpartition(".")[2] in INSPECT_RENDERERS and dst.startswith("qwen_npu.inspect.")]
+    assert bad == []
+
+
 def strongly_connected(graph) -> list[list[str]]:
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
 
