@@ -125,6 +125,7 @@ class SessionConfig:
     decode_padding: str = "runtime"
     kernels: str = "reference"
     deterministic: bool = False     # one forward per token: results independent of batch and chunking
+    sync_timings: bool = False      # end the prepare and forward phases at a device synchronisation
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -135,3 +136,9 @@ def device_outputs_default() -> bool:
     """``device_outputs=None`` resolved: the ``QWEN_NPU_DEVICE_OUTPUTS`` environment variable,
     read now (unset or anything but "0" is on). The one place that variable is read."""
     return os.environ.get("QWEN_NPU_DEVICE_OUTPUTS", "1").strip() != "0"
+
+
+def sync_timings_default() -> bool:
+    """``sync_timings=None`` resolved: the ``QWEN_NPU_SYNC_TIMINGS`` environment variable, read
+    now ("1" is on, anything else off). The one place that variable is read."""
+    return os.environ.get("QWEN_NPU_SYNC_TIMINGS", "0").strip() == "1"

@@ -9,7 +9,7 @@ from pathlib import Path
 from . import device as devices
 from . import memory
 from .cache.kv_cache import bytes_per_block
-from .config import ModelConfig, SessionConfig, device_outputs_default
+from .config import ModelConfig, SessionConfig, device_outputs_default, sync_timings_default
 from .errors import InvalidRequestError
 from .kernels import get_kernels
 from .model.loader import load_checkpoint
@@ -21,7 +21,7 @@ CPU_KV_BUDGET = 4 << 30     # default KV cache budget on the CPU, in bytes
 
 def load_session(path, *, device, dtype, max_batch, block_size, num_blocks, max_model_len, chunk_size,
                  prefix_cache, device_outputs, slot_check, decode_padding, kernels, kv_memory,
-                 deterministic) -> tuple[Qwen3Model, SessionConfig, Tokenizer | None]:
+                 deterministic, sync_timings=None) -> tuple[Qwen3Model, SessionConfig, Tokenizer | None]:
     """Resolve the options of ``Session.from_pretrained`` and load the checkpoint at ``path``."""
     path = Path(path)
     if kv_memory is not None:
@@ -37,6 +37,8 @@ def load_session(path, *, device, dtype, max_batch, block_size, num_blocks, max_
     kernel_name = devices.resolve_kernels(kernels, dev)
     if device_outputs is None:
         device_outputs = device_outputs_default()
+    if sync_timings is None:
+        sync_timings = sync_timings_default()
     mc = ModelConfig.from_pretrained(path)
     kernel_name = devices.prepare_kernels(kernels, dev)      # builds the cpu set now, never in a step
     max_model_len = max_model_len or min(mc.max_position_embeddings, 8192)
@@ -52,7 +54,8 @@ def load_session(path, *, device, dtype, max_batch, block_size, num_blocks, max_
         device=str(dev), dtype=str(model.dtype).removeprefix("torch."), max_batch=max_batch,
         block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=chunk_size,
         prefix_cache=bool(prefix_cache), device_outputs=bool(device_outputs), slot_check=slot_check,
-        decode_padding=decode_padding, kernels=kernel_name, deterministic=bool(deterministic))
+        decode_padding=decode_padding, kernels=kernel_name, deterministic=bool(deterministic),
+        sync_timings=bool(sync_timings))
     return model, config, Tokenizer.load(path)
 
 

@@ -57,6 +57,7 @@ class TokenByTokenRunner(ModelRunner):
         out_row = {token: i for i, token in enumerate(plan.logits_index)}
         row_of = [r for r, n in enumerate(plan.query_lens) for _ in range(n)]
         kv = self.kv_cache.layers()
+        self.end_phase()
         t1 = time.perf_counter()
         timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
         with torch.no_grad():
@@ -73,5 +74,6 @@ class TokenByTokenRunner(ModelRunner):
                     self.model(input_ids[j:j + 1], meta, kv, self._first,
                                logits_out=logits_buf.tensor[o:o + 1], hidden_out=hidden_buf.tensor[o:o + 1],
                                hook=hook)
+            self.end_phase()
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
         return logits_buf, hidden_buf, out_rows

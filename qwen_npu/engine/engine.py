@@ -54,7 +54,7 @@ class Engine:
             max_blocks=config.max_blocks_per_seq, vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
             hidden_dtype=model.dtype, device=device)
         runner = TokenByTokenRunner if config.deterministic else ModelRunner
-        self.runner = runner(model, self.kv_cache, self.buffers)
+        self.runner = runner(model, self.kv_cache, self.buffers, sync_timings=config.sync_timings)
         # None (the forward pays one flag check per hook point), a model Hook, or a step hook: an
         # object whose ``begin_step(plan)`` returns the Hook for that step (qwen_npu/research/hooks.py)
         self.hook: Hook | None = None

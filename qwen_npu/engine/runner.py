@@ -2,6 +2,12 @@
 
 Only the first ``n`` rows of every capacity buffer are written and dispatched (runtime batch);
 the model's outputs land in cached device buffers, so nothing but what the plan needs moves.
+
+Timings: ``prepare`` and ``forward`` are host wall-clock time. On an asynchronous device (NPU,
+CUDA) the forward returns once its kernels are queued, so its time would land in the next phase
+that waits for the device (``sample``'s token-id copy). With ``sync_timings`` on, each of the two
+phases ends at a device synchronisation, so every phase holds its own time; that costs the
+overlap of host work with queued device work, two synchronisations per step (a no-op on the CPU).
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import torch
 
 from ..cache.block_table import pad_block_tables
 from ..cache.kv_cache import KVCache
+from ..device import synchronize
 from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook, Qwen3Model
 from .buffers import DispatchBuffers, OutputBuffer
@@ -18,10 +25,17 @@ from .plan import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3Model, kv_cache: KVCache, buffers: DispatchBuffers):
+    def __init__(self, model: Qwen3Model, kv_cache: KVCache, buffers: DispatchBuffers, *,
+                 sync_timings: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.buffers = buffers
+        self.sync_timings = sync_timings
+
+    def end_phase(self) -> None:
+        """Wait for the device's queued work when timings must hold per phase (see the module doc)."""
+        if self.sync_timings:
+            synchronize(self.model.device)
 
     def dispatch(self, plan: StepPlan, timings: dict, transfers: dict, *,
                  hook: Hook | None = None) -> tuple[OutputBuffer, OutputBuffer, int]:
@@ -31,6 +45,7 @@ class ModelRunner:
         logits_buf, hidden_buf = self.outputs(plan.kind)
         pre = "" if plan.kind == "decode" else "prefill."
         b, out_rows = self.buffers, len(plan.logits_index)
+        self.end_phase()
         t1 = time.perf_counter()
         timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
         with torch.no_grad():
@@ -38,6 +53,7 @@ class ModelRunner:
                        b.view(pre + "logits_index", out_rows),
                        logits_out=logits_buf.tensor[:out_rows], hidden_out=hidden_buf.tensor[:out_rows],
                        hook=hook)
+            self.end_phase()
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
         return logits_buf, hidden_buf, out_rows
 

@@ -12,6 +12,7 @@ open), a notebook shows it as PNG, and ``fig.savefig(path)`` writes it.
 """
 from __future__ import annotations
 
+import functools
 import io
 
 import torch
@@ -34,9 +35,33 @@ class NotebookFigure(Figure):
         return buf.getvalue()
 
 
+MISSING_GLYPH = "\u25a1"       # a white square, drawn for a character the plot font cannot show
+
+
 def _plain(text: str) -> str:
-    """A token's text for an axis label: repr, with non-ASCII escaped (plot fonts lack most scripts)."""
-    return ascii(text)
+    """A token's text for an axis label: quoted like repr, each character the plot font has no glyph
+    for drawn as a white square (never as an escaped code point)."""
+    return "".join(c if c in "'\\" or c.isprintable() and _has_glyph(c) else MISSING_GLYPH
+                   for c in repr(text))
+
+
+_GLYPHS: dict[str, bool] = {}
+
+
+def _has_glyph(char: str) -> bool:
+    """Does matplotlib's default font draw ``char``? (Cached; ASCII always does.)"""
+    if char.isascii():
+        return True
+    if char not in _GLYPHS:
+        _GLYPHS[char] = _default_font().get_char_index(ord(char)) != 0
+    return _GLYPHS[char]
+
+
+@functools.cache
+def _default_font():
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+    return FT2Font(font_manager.findfont(font_manager.FontProperties()))
 
 
 def _figure(width: float = 7.0, height: float = 3.0, ncols: int = 1):

@@ -28,7 +28,8 @@ LAYERS = [
                     "qwen_npu.streaming"]),
     ("inspect", 7, ["qwen_npu.inspect"]),
     ("research", 8, ["qwen_npu.research"]),
-    ("tools", 9, ["qwen_npu.bench", "qwen_npu.bench_floors", "qwen_npu.bench_hf", "qwen_npu.demo",
+    ("integrations", 9, ["qwen_npu.integrations"]),
+    ("tools", 10, ["qwen_npu.bench", "qwen_npu.bench_floors", "qwen_npu.bench_hf", "qwen_npu.demo",
                   "qwen_npu.cli", "qwen_npu.env", "qwen_npu.kernel_build", "qwen_npu.train",
                   "qwen_npu.research.capture_bench"]),    # a benchmark script: it loads a Session
 ]
