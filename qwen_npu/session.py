@@ -321,5 +321,5 @@ class Session(SessionSteps):
 
     def _repr_html_(self) -> str:
         if self.closed:
-            return f"<div>{self!r}</div>"
+            return implementation("closed_session_html")(self)
         return self.snapshot()._repr_html_()

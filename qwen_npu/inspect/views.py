@@ -155,3 +155,9 @@ def session_html(s: SessionSnapshot) -> str:
             + h.section(f"requests: {_status_counts(s)}", requests_html(s.requests))
             + h.section(f"steps: {s.num_steps}, last step", last) + collisions)
     return h.view(f"Session {s.model_name}", body)
+
+
+@provides("closed_session_html")
+def closed_session_html(sess) -> str:
+    """A closed Session: its one-line repr."""
+    return f"<div>{h.esc(repr(sess))}</div>"

@@ -12,7 +12,7 @@ def test_every_name_the_lower_layers_call_is_provided():
              "session.blocks", "session.kv", "session.check", "session.audit", "session.capture",
              "session.intervene", "session.attention", "slot_report_html", "memory_report_html",
              "kv_html", "slot_info_html", "check_html", "audit_html", "blocks_text", "blocks_html",
-             "slot_detail_text", "slot_detail_html", "topk_text", "topk_html"]
+             "slot_detail_text", "slot_detail_html", "topk_text", "topk_html", "closed_session_html"]
     missing = [n for n in names if n not in extensions._IMPLEMENTATIONS]
     assert missing == []
     from qwen_npu.inspect.snapshot import take_step
