@@ -33,3 +33,14 @@ def test_a_second_provider_of_a_name_is_refused(monkeypatch):
         extensions.provides("take_step")(lambda s: s)
     extensions.provides("mine")(take_step)
     assert extensions.implementation("mine") is take_step
+
+
+def test_the_old_fork_module_still_works_and_says_where_it_moved():
+    import importlib
+    import sys
+
+    sys.modules.pop("qwen_npu.research.fork", None)
+    with pytest.warns(DeprecationWarning, match="qwen_npu.research.fork moved to qwen_npu.session_fork"):
+        old = importlib.import_module("qwen_npu.research.fork")
+    from qwen_npu import session_fork
+    assert old.fork_session is session_fork.fork_session and old.Branches is session_fork.Branches
