@@ -53,7 +53,8 @@ def apply_chat_template(tokenizer, messages, *, add_generation_prompt: bool = Tr
     from transformers.utils.chat_template_utils import render_jinja_template
     try:
         rendered, _ = render_jinja_template([[dict(m) for m in messages]], chat_template=template,
-                                            add_generation_prompt=add_generation_prompt, **{**special, **kwargs})
+                                            add_generation_prompt=add_generation_prompt,
+                                            **{**special, **kwargs})
     except jinja2.TemplateError as e:
         raise InvalidRequestError(f"{where or 'chat template'}: the chat template refused the "
                                   f"messages: {e}") from None

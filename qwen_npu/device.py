@@ -16,7 +16,8 @@ every failure to load it into a reason in words; ``resolve_device("npu")`` raise
 from __future__ import annotations
 
 # first: npu_runtime guards ``import torch`` (torch-npu without CANN breaks it) with a clear message
-from .npu_runtime import CANN_FIX, _probe_torch_npu, load_torch_npu, npu_status, torch_import_hint  # noqa: F401  isort: skip
+from .npu_runtime import (CANN_FIX, _probe_torch_npu, load_torch_npu,  # noqa: F401  isort: skip
+                          npu_status, torch_import_hint)
 import torch  # noqa: E402  isort: skip
 
 from .errors import DeviceError  # noqa: E402

@@ -267,7 +267,8 @@ def _describe(check, slot, idx, ctx) -> SlotProblem:
         if many:
             text = f"{who} {'both' if len(rows) == 2 else 'all'} write {where}"
         else:
-            text = f"{who} writes {where} {len(idx)} times" + (f" (positions {ranges_text(pos)})" if pos else "")
+            text = f"{who} writes {where} {len(idx)} times" + (
+                f" (positions {ranges_text(pos)})" if pos else "")
     elif check == "padding_write":
         text = (f"{who} {'are' if many else 'is'} padding (only {num_active} active) but write{s} {where}; "
                 f"padding rows must carry slot -1")

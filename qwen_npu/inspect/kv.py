@@ -138,8 +138,8 @@ class KVView:
         """A snapshot of ``slot``: its last write, write history, current holders, collisions, faults."""
         slot = _index(slot, "slot")
         if not 0 <= slot < self.num_slots:
-            raise InvalidRequestError(f"slot {slot!r} is outside the cache: slots are 0..{self.num_slots - 1} "
-                                      f"({self.num_blocks} blocks x {self.block_size})")
+            raise InvalidRequestError(f"slot {slot!r} is outside the cache: slots are "
+                                      f"0..{self.num_slots - 1} ({self.num_blocks} blocks x {self.block_size})")
         ledger, bs = self._engine.ledger, self.block_size
         block, offset = divmod(slot, bs)
         last = ledger.last(slot)

@@ -102,7 +102,7 @@ def audit_html(report) -> str:
 
 @provides("slot_report_html")
 def slot_report_html(report) -> str:
-    """``SlotReport`` (the slot-mapping check of one dispatch) as a table; deterministic: no ids, no scripts."""
+    """``SlotReport`` (the slot check of one dispatch) as a table; deterministic: no ids, no scripts."""
     if report.ok:
         ok = f"&#10003; slot mapping ok ({report._summary()})"
         return f'<div style="color:#1a7f37;font-weight:bold">{ok}</div>'

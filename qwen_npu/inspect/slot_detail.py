@@ -47,5 +47,5 @@ def inspect_slot(sess, slot: int) -> SlotDetail:
         k = torch.stack([t[block, offset].float().norm() for t in kv.keys])     # [layers]
         v = torch.stack([t[block, offset].float().norm() for t in kv.values])   # [layers]
         norms = torch.stack([k, v]).cpu().tolist()                             # [2, layers]
-    return SlotDetail(slot, block, offset, info.ref_count, info.block_hash is not None, slot_info.held_by, history,
-                      tuple(round(x, 4) for x in norms[0]), tuple(round(x, 4) for x in norms[1]))
+    return SlotDetail(slot, block, offset, info.ref_count, info.block_hash is not None, slot_info.held_by,
+                      history, tuple(round(x, 4) for x in norms[0]), tuple(round(x, 4) for x in norms[1]))
