@@ -1,6 +1,6 @@
 """Ascend NPU kernels: the reference contract (README.md) on torch_npu's fused ops.
 
-torch_npu is loaded through ``qwen_npu.device.load_torch_npu`` at the first call that needs it,
+torch_npu is loaded through ``qwen_npu.npu_runtime.load_torch_npu`` at the first call that needs it,
 never at import, so ``import qwen_npu.kernels.npu`` works on any machine. Each function checks
 whether its fused op can express the call; where it cannot (tensors not on an npu, float32 where
 the op wants fp16/bf16, a block size or head_dim the op does not take, ...) it runs the reference
@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from qwen_npu.device import load_torch_npu
+from qwen_npu.npu_runtime import load_torch_npu
 
 from . import reference
 from .metadata import AttentionMetadata

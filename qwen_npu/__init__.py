@@ -17,6 +17,8 @@ from .kernel_build import build_kernels  # noqa: E402  isort: skip
 from .memory import MemoryReport  # noqa: E402  isort: skip
 from .scoring import ScoreResult  # noqa: E402  isort: skip
 from .streaming import StreamEvent  # noqa: E402  isort: skip
+# the layers above the Session register what it lends them (views, snapshot, check, capture, ...)
+from . import inspect, research  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "Session", "SamplingParams", "Request", "Completion", "StepResult", "DeviceLogits",

@@ -4,16 +4,14 @@
         ──template (tokenizer_config.json "chat_template", jinja2)──>
     "<|im_start|>system\\nBe brief.<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
 
-The template runs in a sandboxed jinja2 environment set up like the one in ``transformers``
-(``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` filter that keeps non-ASCII,
-``raise_exception`` and ``strftime_now``), so the text — and hence the token ids — equal
+The template is rendered by ``transformers``' own chat-template renderer (the sandboxed jinja2
+environment behind ``tokenizer.apply_chat_template``; only that module is imported, when a chat
+is first rendered), so the text — and hence the token ids — equal
 ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``. Template variables
 such as ``enable_thinking`` pass through ``chat_template_kwargs``.
 """
 from __future__ import annotations
 
-import datetime
-import json
 from collections.abc import Mapping
 
 from .errors import InvalidRequestError
@@ -51,14 +49,16 @@ def apply_chat_template(tokenizer, messages, *, add_generation_prompt: bool = Tr
         template = named.get("default") or next(iter(named.values()))
     special = {k: _token_text(v) for k, v in tokenizer.config.items()
                if k.endswith("_token") and isinstance(v, (str, dict))}
-    variables = {**special, "messages": [dict(m) for m in messages], "tools": None, "documents": None,
-                 "add_generation_prompt": add_generation_prompt, **kwargs}
     import jinja2
+    from transformers.utils.chat_template_utils import render_jinja_template
     try:
-        return _environment().from_string(template).render(**variables)
-    except (_TemplateError, jinja2.TemplateError) as e:
+        rendered, _ = render_jinja_template([[dict(m) for m in messages]], chat_template=template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **{**special, **kwargs})
+    except jinja2.TemplateError as e:
         raise InvalidRequestError(f"{where or 'chat template'}: the chat template refused the "
                                   f"messages: {e}") from None
+    return rendered[0]
 
 
 def find_template(tokenizer) -> str | list | None:
@@ -86,29 +86,3 @@ def _check_messages(messages) -> None:
 
 def _token_text(v) -> str:
     return v.get("content", "") if isinstance(v, dict) else v
-
-
-class _TemplateError(Exception):
-    pass
-
-
-def _environment():
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise _TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -40,10 +41,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "config.json",
@@ -133,3 +130,15 @@ class SessionConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+def device_outputs_default() -> bool:
+    """``device_outputs=None`` resolved: the ``QWEN_NPU_DEVICE_OUTPUTS`` environment variable,
+    read now (unset or anything but "0" is on). The one place that variable is read."""
+    return os.environ.get("QWEN_NPU_DEVICE_OUTPUTS", "1").strip() != "0"
+
+
+def sync_timings_default() -> bool:
+    """``sync_timings=None`` resolved: the ``QWEN_NPU_SYNC_TIMINGS`` environment variable, read
+    now ("1" is on, anything else off). The one place that variable is read."""
+    return os.environ.get("QWEN_NPU_SYNC_TIMINGS", "0").strip() == "1"

@@ -20,6 +20,39 @@ from .errors import InvalidRequestError
 FORMAT = "qwen-npu-dump"
 VERSION = 1
 REQUIRED = ("kind", "slot_mapping", "block_tables")
+# the type of every step field a reader uses: "int", "str", "ints" (a list of ints), "rows" (a list
+# of lists of ints); a "?" suffix allows null. Other fields are kept as stored, unchecked.
+STEP_FIELDS = {"kind": "str", "index": "int", "slot_mapping": "ints", "block_tables": "rows",
+               "query_lens": "ints?", "num_active": "int", "request_ids": "ints?", "positions": "ints?",
+               "seq_lens": "ints?", "input_ids": "ints?", "token_ids": "ints?"}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _type_error(kind: str, value) -> str | None:
+    """Why ``value`` is not of ``kind`` (see STEP_FIELDS), or None when it is."""
+    if kind.endswith("?"):
+        if value is None:
+            return None
+        kind = kind[:-1]
+    if kind == "str":
+        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    if kind == "int":
+        return None if _is_int(value) else f"must be an int, got {value!r}"
+    if not isinstance(value, list):
+        return f"must be a list, got {type(value).__name__} {value!r}"
+    for i, item in enumerate(value):
+        if kind == "rows":
+            if not isinstance(item, list):
+                return f"row {i} must be a list of ints, got {item!r}"
+            bad = next((j for j, x in enumerate(item) if not _is_int(x)), None)
+            if bad is not None:
+                return f"row {i} item {bad} must be an int, got {item[bad]!r}"
+        elif not _is_int(item):
+            return f"item {i} must be an int, got {item!r}"
+    return None
 
 
 def step_to_dict(step, *, logits_topk: int = 0) -> dict:
@@ -106,9 +139,15 @@ class DumpStep:
 
     @classmethod
     def from_dict(cls, d: dict, number: int, where: str = "dump") -> DumpStep:
+        if not isinstance(d, dict):
+            raise InvalidRequestError(f"{where}: step #{number} must be a JSON object, got {d!r}")
         missing = [k for k in REQUIRED if k not in d]
         if missing:
             raise InvalidRequestError(f"{where}: step #{number} lacks {', '.join(missing)}")
+        for name, kind in STEP_FIELDS.items():
+            why = _type_error(kind, d[name]) if name in d else None
+            if why is not None:
+                raise InvalidRequestError(f"{where}: step #{number} field {name!r} {why}")
         rows = len(d["block_tables"])
         qls = d.get("query_lens") or [1] * rows
         return cls(kind=d["kind"], index=int(d.get("index", number)), slot_mapping=list(d["slot_mapping"]),
@@ -164,9 +203,18 @@ def load_dump(path) -> Dump:
     if doc.get("version") != VERSION:
         raise InvalidRequestError(f"{path}: dump version {doc.get('version')!r}; this reader knows {VERSION}")
     meta = doc.get("meta") or {}
+    if not isinstance(meta, dict):
+        raise InvalidRequestError(f"{path}: field 'meta' must be a JSON object, got {meta!r}")
     if "block_size" not in meta:
         raise InvalidRequestError(f"{path}: meta.block_size is missing (the slot checks need it)")
-    steps = [DumpStep.from_dict(d, i, str(path)) for i, d in enumerate(doc.get("steps") or [])]
+    for name in ("block_size", "num_blocks"):
+        v = meta.get(name)
+        if name in meta and (not _is_int(v) or v < 1) and not (name == "num_blocks" and v is None):
+            raise InvalidRequestError(f"{path}: field 'meta.{name}' must be an int >= 1, got {v!r}")
+    raw_steps = doc.get("steps") or []
+    if not isinstance(raw_steps, list):
+        raise InvalidRequestError(f"{path}: field 'steps' must be a list, got {type(raw_steps).__name__}")
+    steps = [DumpStep.from_dict(d, i, str(path)) for i, d in enumerate(raw_steps)]
     return Dump(meta, steps, path)
 
 

@@ -21,6 +21,7 @@ import sys
 import torch
 
 from . import device as devices
+from .config import device_outputs_default
 
 ENV_VARS = ("QWEN_NPU_DEVICE_OUTPUTS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "ASCEND_RT_VISIBLE_DEVICES",
             "CUDA_VISIBLE_DEVICES", "ASCEND_TOOLKIT_HOME", "OMP_NUM_THREADS")
@@ -133,7 +134,7 @@ def _session_choice() -> list[tuple[str, str]]:
         kernels = devices.resolve_kernels("auto", dev)
     except Exception as e:  # noqa: BLE001 - the report must still print
         return [("session default", f"cannot resolve device 'auto': {e}")]
-    outputs = os.environ.get("QWEN_NPU_DEVICE_OUTPUTS", "1").strip() != "0"
+    outputs = device_outputs_default()
     return [("session default", f"device={dev}, kernels={kernels}, "
                                 f"block_size={devices.default_block_size(dev)}, "
                                 f"device_outputs={'on' if outputs else 'off'}")]

@@ -4,13 +4,12 @@ Every option is checked here, before the weights are read, so a bad argument cos
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from . import device as devices
 from . import memory
 from .cache.kv_cache import bytes_per_block
-from .config import ModelConfig, SessionConfig
+from .config import ModelConfig, SessionConfig, device_outputs_default, sync_timings_default
 from .errors import InvalidRequestError
 from .kernels import get_kernels
 from .model.loader import load_checkpoint
@@ -37,9 +36,9 @@ def load_session(path, *, device, dtype, max_batch, block_size, num_blocks, max_
             raise InvalidRequestError(f"Session.from_pretrained: {name}={v!r} must be an int >= 1")
     kernel_name = devices.resolve_kernels(kernels, dev)
     if device_outputs is None:
-        device_outputs = os.environ.get("QWEN_NPU_DEVICE_OUTPUTS", "1").strip() != "0"
+        device_outputs = device_outputs_default()
     if sync_timings is None:
-        sync_timings = os.environ.get("QWEN_NPU_SYNC_TIMINGS", "0").strip() == "1"
+        sync_timings = sync_timings_default()
     mc = ModelConfig.from_pretrained(path)
     kernel_name = devices.prepare_kernels(kernels, dev)      # builds the cpu set now, never in a step
     max_model_len = max_model_len or min(mc.max_position_embeddings, 8192)

@@ -1,5 +1,5 @@
-"""Memory: a KV-cache budget that sizes ``num_blocks``, the ``sess.memory()`` report, and
-``sess.close()`` which gives the session's device memory back.
+"""Memory sizing: a KV-cache budget that sizes ``num_blocks``, and the ``sess.memory()`` report
+(``sess.close()``, which gives the memory back, is ``session_close``).
 
     kv_memory="2GiB" | "512MB" | 3_000_000 (bytes)  ->  num_blocks = budget // bytes per block
     kv_memory=0.5                                   ->  half the memory free after the weights load
@@ -12,8 +12,6 @@ One block holds K and V of ``block_size`` tokens in every layer::
 from __future__ import annotations
 
 import dataclasses
-import gc
-import html
 import os
 import re
 
@@ -21,6 +19,7 @@ import torch
 
 from . import device as devices
 from .errors import InvalidRequestError
+from .extensions import implementation
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -121,10 +120,7 @@ class MemoryReport:
         return "\n".join([f"MemoryReport({self.device})"] + [f"  {k:<16} {v}" for k, v in self.rows()])
 
     def _repr_html_(self) -> str:
-        cell = "<td style='text-align:left;padding:2px 6px'>{}</td>"
-        body = "".join(f"<tr>{cell.format(html.escape(k.strip()))}{cell.format(html.escape(v))}</tr>"
-                       for k, v in self.rows())
-        return f"<div><b>memory ({html.escape(self.device)})</b><table>{body}</table></div>"
+        return implementation("memory_report_html")(self)
 
 
 def memory_report(sess) -> MemoryReport:
@@ -150,63 +146,6 @@ def model_tensors(model) -> list[torch.Tensor]:
     for layer in model.layers:
         out += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
     return out
-
-
-class ClosedSession:
-    """Stands in for a closed session's engine, scheduler and model: any use raises."""
-
-    def __getattr__(self, name):
-        raise InvalidRequestError("session is closed: its model, KV cache and buffers were freed; "
-                                  "create a new one with Session.from_pretrained")
-
-
-def close_session(sess) -> None:
-    """Free the session's device memory (weights, KV cache, buffers, live logits). Idempotent.
-    Closing the session that owns the cache closes every branch forked from it with it; closing
-    a fork (``branch.close()``) aborts only that branch's requests and frees only their blocks."""
-    if getattr(sess, "_closed", False):
-        return
-    if not getattr(sess, "_owns_engine", True):
-        from .research.fork import close_branch
-        close_branch(sess)                 # a branch frees only its own requests' blocks
-        for step in sess.history:
-            step.hidden = None
-        sess.history.clear()
-        sess._generators.clear()
-        closed = ClosedSession()
-        sess._engine = sess._scheduler = sess.model = closed
-        sess._closed = True
-        return
-    engine, model = sess._engine, sess.model
-    dev = model.device
-    branches = engine.branches.sessions() if getattr(engine, "branches", None) is not None else []
-    sessions = [sess] + [b for b in branches if b is not sess]
-    for s in sessions:
-        for step in s.history:
-            step.hidden = None
-        s.history.clear()
-    for buf in engine.buffers._outputs.values():
-        buf.generation += 1                     # live DeviceLogits handles now raise instead of reading
-        buf.tensor = torch.empty(0)
-    engine.buffers.tensors.clear()
-    engine.kv_cache.keys.clear()
-    engine.kv_cache.values.clear()
-    for name, value in list(vars(model).items()):
-        if isinstance(value, torch.Tensor):
-            setattr(model, name, None)
-    model.layers = []
-    closed = ClosedSession()
-    for s in sessions:
-        s._generators.clear()
-        s._engine = s._scheduler = s.model = closed
-        s._closed = True
-    del engine, model, sessions, branches
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    elif dev.type == "npu":
-        devices.load_torch_npu()
-        torch.npu.empty_cache()
 
 
 def _try_free(dev) -> int | None:

@@ -27,6 +27,7 @@ from .engine.request import ABORTED, Completion, Request, SamplingParams
 from .engine.scheduler import Scheduler
 from .engine.transaction import deferred_interrupts
 from .errors import InvalidRequestError
+from .extensions import implementation
 from .loading import load_session
 from .model.qwen3 import Qwen3Model
 from .session_steps import SessionSteps
@@ -148,7 +149,7 @@ class Session(SessionSteps):
         A forked Session (sharing its cache) only aborts its own requests and forgets its steps."""
         self._engine.collect_dropped()
         if self._engine.branches is not None:
-            from .research.fork import reset_branch
+            from .session_fork import reset_branch
             if reset_branch(self):
                 return
         with deferred_interrupts():
@@ -217,7 +218,7 @@ class Session(SessionSteps):
     @exclusive
     def close(self) -> None:
         """Free the model weights, KV cache and buffers; any later use raises "session is closed"."""
-        from .memory import close_session
+        from .session_close import close_session
         close_session(self)
 
     def __enter__(self) -> Session:
@@ -238,9 +239,8 @@ class Session(SessionSteps):
         """A fingerprint of everything a step may change (requests, block tables, free-queue order,
         prefix cache and its statistics, ledger, history, generators, buffer generations); equal
         digests before and after an interrupted cell prove it changed nothing. See ``StateDigest``."""
-        from .inspect.digest import state_digest
         self._engine.collect_dropped()
-        return state_digest(self)
+        return implementation("session.state_digest")(self)
 
     @property
     def buffers(self):
@@ -256,32 +256,26 @@ class Session(SessionSteps):
     @property
     def blocks(self):
         """A snapshot of every KV block: state, ref count, holders, prefix hash, tokens held."""
-        from .inspect.blocks import take_session_blocks
-        return take_session_blocks(self)
+        return implementation("session.blocks")(self)
 
     def snapshot(self):
         """A frozen copy of what the Session view shows (model, cache, requests, last step)."""
-        from .inspect.snapshot import take_session
-        return take_session(self)
+        return implementation("session.snapshot")(self)
 
     # ---- KV slots: view, invariant sweep, audit, fault emulation ------------------------------------------
     @property
     def kv(self):
         """The KV cache: live ``key(layer)``/``value(layer)``, ``read(request, position, layer)``, ``slot(s)``."""
-        from .inspect.kv import KVView
-        from .research.fork import visible_requests
-        return KVView(self._engine, visible_requests(self))
+        return implementation("session.kv")(self._engine, self.state.visible_requests())
 
     def check(self):
         """Sweep every cache invariant (blocks, tables, live slots, ledger collisions, non-finite K/V)."""
-        from .inspect.check import check_session
         self._engine.collect_dropped()
-        return check_session(self._engine, self._visible_requests(), list(self.history))
+        return implementation("session.check")(self._engine, self._visible_requests(), list(self.history))
 
     def audit(self, request, *, tol: float | None = None):
         """Recompute ``request``'s K/V densely from its tokens and compare with its slots, per layer."""
-        from .inspect.audit import audit_request
-        return audit_request(self.kv, self.model, request, tol)
+        return implementation("session.audit")(self.kv, self.model, request, tol)
 
     @exclusive
     def emulate_faults(self, model: str | None):
@@ -309,27 +303,24 @@ class Session(SessionSteps):
                 on_step=None):
         """``with sess.capture(names) as cap:`` records activations (names or globs) of every step
         run inside the block, per step and request row. See ``qwen_npu.research.capture``."""
-        from .research.capture import Capture
-        return Capture(self, names, requests=requests, positions=positions, reduce=reduce, offload=offload,
+        return implementation("session.capture")(self, names, requests=requests, positions=positions, reduce=reduce, offload=offload,
                        budget=budget, on_step=on_step)
 
     def intervene(self, name, fn, *, requests=None, positions=None):
         """``with sess.intervene(name, fn):`` edits an activation of chosen rows in every step run
         inside the block. See ``qwen_npu.research.intervene``."""
-        from .research.intervene import Intervention
-        return Intervention(self, name, fn, requests=requests, positions=positions)
+        return implementation("session.intervene")(self, name, fn, requests=requests, positions=positions)
 
     def attention(self, request, layer: int, head=None, positions=None):
         """Softmax attention probabilities of ``request`` at ``layer`` over its cached keys.
         Changes nothing. See ``qwen_npu.research.attention``."""
-        from .research.attention import attention_pattern
-        return attention_pattern(self, request, layer, head, positions)
+        return implementation("session.attention")(self, request, layer, head, positions)
 
     @exclusive
     def fork(self, sampling=None) -> Session:
         """A new Session that branches from this one, sharing its KV blocks copy-on-write.
-        See ``qwen_npu.research.fork``."""
-        from .research.fork import fork_session
+        See ``qwen_npu.session_fork``."""
+        from .session_fork import fork_session
         return fork_session(self, sampling)
 
     def __repr__(self) -> str:
@@ -339,5 +330,5 @@ class Session(SessionSteps):
 
     def _repr_html_(self) -> str:
         if self.closed:
-            return f"<div>{self!r}</div>"
+            return implementation("closed_session_html")(self)
         return self.snapshot()._repr_html_()

@@ -100,7 +100,7 @@ class SessionSteps:
         state = ", ".join(f"{n} {s}" for s, n in by.items()) or "no requests"
         msg = f"nothing to {kind}: {state}" + ("; add a request first" if not by else "")
         if (by.get(WAITING) or by.get(DECODING) or by.get(PREFILLING)) and self._engine.branches is not None:
-            from .research.fork import sibling_holders
+            from .session_fork import sibling_holders
             msg += sibling_holders(self)
         return msg
 

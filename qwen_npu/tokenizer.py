@@ -20,6 +20,11 @@ class Tokenizer:
         return cls(path) if (path / "tokenizer.json").is_file() else None
 
     @property
+    def fast(self):
+        """The ``tokenizers.Tokenizer`` itself (streaming detokenization steps with it)."""
+        return self._tok
+
+    @property
     def chat_template(self) -> str | None:
         return self.config.get("chat_template")
 

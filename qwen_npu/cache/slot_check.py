@@ -15,13 +15,13 @@ and must carry -1 only. One problem per (check, slot), naming every row involved
 """
 from __future__ import annotations
 
-import html
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, groupby
+from itertools import groupby
 
 from ..errors import SlotCollisionError
+from ..extensions import implementation
 from .ledger import SlotLedger
 
 CHECKS = ("duplicate", "padding_write", "beyond_cache", "outside_blocks", "wrong_slot", "shared_block",
@@ -75,29 +75,12 @@ class StepWrites:
             if len(ps) != len(ss):
                 raise ValueError(f"{at}: row {r} has {len(ps)} positions but {len(ss)} slots")
 
-    @classmethod
-    def from_flat(cls, step, kind, request_ids, query_lens, positions, slot_mapping, block_tables,
-                  num_active=None) -> StepWrites:
-        """Split flat per-token `positions` / `slot_mapping` into rows by `query_lens` (lists or tensors)."""
-        qls, pos, slots = _ints(query_lens), _ints(positions), _ints(slot_mapping)
-        starts = [0, *accumulate(qls)]
-        if starts[-1] != len(slots) or len(pos) != len(slots):
-            raise ValueError(f"step {step}: query_lens sum to {starts[-1]} but there are {len(slots)} "
-                             f"slots and {len(pos)} positions")
-        rows = range(len(qls))
-        return cls(step, kind, len(qls), len(qls) if num_active is None else num_active,
-                   _ints(request_ids), [pos[starts[r]:starts[r + 1]] for r in rows],
-                   [slots[starts[r]:starts[r + 1]] for r in rows], _tables(block_tables))
 
+class ProblemReport:
+    """What a check found, as ``.items`` (each with a ``.message``): ``.ok`` when there is none,
+    ``.problems`` the sentences. The slot check of a step and ``sess.check()`` both report so."""
 
-@dataclass(frozen=True)
-class SlotReport:
-    """Result of `check_slot_mapping`: `.ok`, `.problems` (sentences), `.items` (SlotProblem)."""
-
-    items: tuple[SlotProblem, ...]
-    num_tokens: int
-    num_rows: int
-    num_active: int
+    items: tuple
 
     @property
     def ok(self) -> bool:
@@ -106,6 +89,16 @@ class SlotReport:
     @property
     def problems(self) -> tuple[str, ...]:
         return tuple(p.message for p in self.items)
+
+
+@dataclass(frozen=True)
+class SlotReport(ProblemReport):
+    """Result of `check_slot_mapping`: `.ok`, `.problems` (sentences), `.items` (SlotProblem)."""
+
+    items: tuple[SlotProblem, ...]
+    num_tokens: int
+    num_rows: int
+    num_active: int
 
     def _summary(self) -> str:
         return f"{self.num_tokens} tokens in {self.num_rows} rows ({self.num_active} active)"
@@ -117,22 +110,8 @@ class SlotReport:
         lines = [f"SlotReport: {n} problem{'s' * (n != 1)} ({self._summary()})"]
         return "\n".join(lines + [f"  - {m}" for m in self.problems])
 
-    def _repr_html_(self) -> str:  # deterministic: no ids, no scripts
-        if self.ok:
-            ok = f"&#10003; slot mapping ok ({self._summary()})"
-            return f'<div style="color:#1a7f37;font-weight:bold">{ok}</div>'
-        cells = "".join(f"<th style='text-align:left;padding:2px 6px'>{h}</th>" for h in
-                        ("check", "rows", "requests", "slot", "block", "offset", "problem"))
-        body = "".join(
-            "<tr>" + "".join(f"<td style='padding:2px 6px;text-align:left;vertical-align:top'>"
-                             f"{html.escape(str(v))}</td>" for v in (
-                p.check, _runs(p.rows), ", ".join(map(str, p.request_ids)) or "-", p.slot, p.block,
-                p.offset, p.message)) + "</tr>" for p in self.items)
-        n = len(self.items)
-        return (f'<div style="font-family:ui-monospace,monospace;font-size:12px"><div style="color:#cf222e;'
-                f'font-weight:bold">&#10007; {n} slot problem{"s" * (n != 1)} ({self._summary()})</div>'
-                f'<table><thead><tr>{cells}</tr></thead>'
-                f"<tbody>{body}</tbody></table></div>")
+    def _repr_html_(self) -> str:
+        return implementation("slot_report_html")(self)
 
 
 def check_slot_mapping(slot_mapping, block_tables, block_size: int, *, positions=None, seq_lens=None,
@@ -278,7 +257,7 @@ def _describe(check, slot, idx, ctx) -> SlotProblem:
     reqs = tuple(dict.fromkeys(row_req[r] for r in rows)) if row_req is not None else ()
     pos = tuple(tok_pos[i] for i in idx) if tok_pos is not None else ()
     many = len(rows) > 1
-    who = f"row{'s' * many} {_runs(rows)}"
+    who = f"row{'s' * many} {ranges_text(rows)}"
     if reqs:
         who += f" (request{'s' * (len(reqs) > 1)} {', '.join(map(str, reqs))})"
     s = "" if many else "s"
@@ -288,7 +267,8 @@ def _describe(check, slot, idx, ctx) -> SlotProblem:
         if many:
             text = f"{who} {'both' if len(rows) == 2 else 'all'} write {where}"
         else:
-            text = f"{who} writes {where} {len(idx)} times" + (f" (positions {_runs(pos)})" if pos else "")
+            text = f"{who} writes {where} {len(idx)} times" + (
+                f" (positions {ranges_text(pos)})" if pos else "")
     elif check == "padding_write":
         text = (f"{who} {'are' if many else 'is'} padding (only {num_active} active) but write{s} {where}; "
                 f"padding rows must carry slot -1")
@@ -320,7 +300,7 @@ def _expected(table, p, bs) -> str:
     return f"expected slot {e} (block {table[j]}, offset {p % bs}) = block_table[{j}] * {bs} + {p % bs}"
 
 
-def _runs(values) -> str:
+def ranges_text(values) -> str:
     """(0, 3, 4, 5, 6) -> "0, 3..6": runs of three or more consecutive ints become a..b."""
     parts: list[str] = []
     for _, group in groupby(enumerate(sorted(set(values))), lambda t: t[1] - t[0]):

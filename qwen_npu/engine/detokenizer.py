@@ -8,26 +8,33 @@ keeps such an incomplete tail back until the tokens that complete it arrive::
     decoded  "\ufffd"        "🦜"
     .text    ""              "🦜"          (the stable text only ever grows)
 
-Only a short window of recent tokens is decoded per push, so feeding n tokens costs O(n).
-For byte-level tokenizers (Qwen3) the final ``.text`` (after ``finish``) equals decoding all
-tokens at once.
+The stepping is ``tokenizers.decoders.DecodeStream`` (special tokens skipped); this class adds
+what a step needs around it: an independent ``copy()`` (a step stages its tokens on one), the
+token ids so far, and ``finish()``, which flushes an incomplete tail. For byte-level tokenizers
+(Qwen3) the final ``.text`` (after ``finish``) equals decoding all tokens at once.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy as _copy
 
-REPLACEMENT = "\ufffd"
+
+def fast_tokenizer(tokenizer):
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer``: a ``tokenizers.Tokenizer``, a
+    ``qwen_npu.tokenizer.Tokenizer``, or the bound ``decode`` method of either."""
+    tokenizer = getattr(tokenizer, "__self__", tokenizer)      # a bound decode method
+    return getattr(tokenizer, "fast", tokenizer)
 
 
 class IncrementalDetokenizer:
-    """Text of a growing list of token ids; ``decode(ids) -> str`` decodes a list of ids."""
+    """Text of a growing list of token ids, decoded with ``tokenizer`` (see ``fast_tokenizer``)."""
 
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self._decode = decode
+    def __init__(self, tokenizer):
+        from tokenizers.decoders import DecodeStream
+        self._fast = fast_tokenizer(tokenizer)
+        self._stream = DecodeStream(skip_special_tokens=True)
         self._ids: list[int] = []
-        self._start = 0          # window start: tokens before it are already in .text
-        self._stable = 0         # tokens [start, stable) decode to the window's stable prefix
-        self.text = ""           # every complete character so far
+        self._pending: list[int] = []     # tokens after the last piece of text: not decodable yet
+        self.text = ""                    # every complete character so far
 
     @property
     def token_ids(self) -> list[int]:
@@ -35,27 +42,30 @@ class IncrementalDetokenizer:
 
     def copy(self) -> IncrementalDetokenizer:
         """An independent copy (a step stages its tokens on one)."""
-        new = IncrementalDetokenizer(self._decode)
-        new._ids, new._start, new._stable, new.text = list(self._ids), self._start, self._stable, self.text
+        new = object.__new__(IncrementalDetokenizer)
+        new._fast, new._stream, new.text = self._fast, _copy.copy(self._stream), self.text
+        new._ids, new._pending = list(self._ids), list(self._pending)
         return new
 
     def push(self, token_ids) -> str:
         """Add tokens; returns the text they completed (possibly "")."""
-        self._ids += [int(t) for t in token_ids]
-        head = self._decode(self._ids[self._start:self._stable])
-        window = self._decode(self._ids[self._start:])
-        if window.endswith(REPLACEMENT) or not window.startswith(head):
-            return ""            # an incomplete character at the end: wait for more tokens
-        new = window[len(head):]
+        new = ""
+        for t in token_ids:
+            t = int(t)
+            self._ids.append(t)
+            self._pending.append(t)
+            piece = self._stream.step(self._fast, t)
+            if piece:
+                new += piece
+                self._pending = []
         self.text += new
-        self._start, self._stable = self._stable, len(self._ids)
         return new
 
     def finish(self) -> str:
         """Flush whatever is held back (an incomplete tail decodes to U+FFFD); returns it."""
-        head = self._decode(self._ids[self._start:self._stable])
-        window = self._decode(self._ids[self._start:])
-        new = window[len(head):] if window.startswith(head) else window
+        from tokenizers.decoders import DecodeStream
+        new = self._fast.decode(self._pending, skip_special_tokens=True) if self._pending else ""
         self.text += new
-        self._start = self._stable = len(self._ids)
+        self._pending = []
+        self._stream = DecodeStream(skip_special_tokens=True)
         return new

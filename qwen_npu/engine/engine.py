@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..cache.block_table import pad_block_tables
 from ..cache.kv_cache import KVCache
 from ..cache.ledger import SlotLedger
 from ..cache.manager import KVCacheManager
@@ -58,7 +59,7 @@ class Engine:
         # None (the forward pays one flag check per hook point), a model Hook, or a step hook: an
         # object whose ``begin_step(plan)`` returns the Hook for that step (qwen_npu/research/hooks.py)
         self.hook: Hook | None = None
-        self.branches = None       # the Sessions sharing this engine after a fork (research/fork.py)
+        self.branches = None       # the Sessions sharing this engine after a fork (session_fork.py)
         self.calls = CallGate()     # one state-changing call at a time, across threads (engine/calls.py)
         self.next_request_id = 0   # request ids are unique per engine, so forked Sessions never clash
         self.faults: FaultEmulator | None = None   # EMULATED hardware faults; off unless asked for
@@ -280,11 +281,7 @@ def _health_codes(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _pad(tables: list[list[int]], width: int) -> torch.Tensor:
-    out = torch.full((len(tables), width), -1, dtype=torch.int32)
-    for r, t in enumerate(tables):
-        if t:
-            out[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out
+    return torch.tensor(pad_block_tables(tables, width), dtype=torch.int32).reshape(len(tables), width)
 
 
 def check_not_pending(last: StepResult | None, action: str, requests: dict | None = None) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from ..errors import StaleOutputError
+from ..extensions import implementation
 from .buffers import OutputBuffer
 
 
@@ -75,8 +76,7 @@ class DeviceLogits:
                 f"device={self.device}, {state})")
 
     def _repr_html_(self) -> str:
-        from ..inspect.step_view import logits_html
-        return logits_html(self)
+        return implementation("logits_html")(self)
 
 
 @dataclasses.dataclass
@@ -119,9 +119,7 @@ class StepResult:
         return step_to_dict(self, logits_topk=logits_topk)
 
     def __repr__(self) -> str:
-        from ..inspect.snapshot import take_step
-        return repr(take_step(self))
+        return repr(implementation("take_step")(self))
 
     def _repr_html_(self) -> str:
-        from ..inspect.snapshot import take_step
-        return take_step(self)._repr_html_()
+        return implementation("take_step")(self)._repr_html_()

@@ -17,6 +17,7 @@ import math
 from typing import Callable
 
 from ..errors import InvalidRequestError
+from ..extensions import implementation
 from .logprobs import TokenLogprob
 from .stopping import StopStrings
 
@@ -152,8 +153,7 @@ class Request:
                 f"blocks={self.block_table}, finish_reason={self.finish_reason!r})")
 
     def _repr_html_(self) -> str:
-        from ..inspect.snapshot import take_request
-        return take_request(self)._repr_html_()
+        return implementation("take_request")(self)._repr_html_()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ..cache.block_table import pad_block_tables
 from ..cache.kv_cache import KVCache
 from ..device import synchronize
 from ..kernels.metadata import AttentionMetadata
@@ -62,9 +63,7 @@ class ModelRunner:
         pre = "" if plan.kind == "decode" else "prefill."
         rows, tokens = len(plan.rows), plan.num_tokens
         width = max(len(t) for t in plan.block_tables) or 1
-        tables = torch.full((rows, width), -1, dtype=torch.int32)            # [rows, width]
-        for r, t in enumerate(plan.block_tables):
-            tables[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        tables = torch.tensor(pad_block_tables(plan.block_tables, width), dtype=torch.int32)  # [rows, width]
         qsl = [0]
         for n in plan.query_lens:
             qsl.append(qsl[-1] + n)

@@ -28,6 +28,7 @@ class StopStrings:
     """Watches a request's output text for its stop strings as tokens arrive."""
 
     def __init__(self, stops: tuple[str, ...], decode: Callable[[list[int]], str]):
+        """``decode``: the checkpoint tokenizer's bound ``decode`` (or the tokenizer itself)."""
         self.stops = stops
         self.text = IncrementalDetokenizer(decode)
         self.cut: int | None = None        # the output text ends here once a stop string matched

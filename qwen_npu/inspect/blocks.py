@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 
 from ..cache.manager import PrefixCacheStats
-from . import html as h
+from ..extensions import implementation, provides
 
 FREE, USED, CACHED = "free", "used", "cached"
 MAX_ROWS = 64          # block rows a repr shows; the rest are summarised
@@ -49,6 +49,11 @@ class BlockEntry:
     @property
     def is_shared(self) -> bool:
         return self.ref_count > 1
+
+    @property
+    def display_state(self) -> str:
+        """``state``, or "shared" when more than one request holds the block (the grid's colour)."""
+        return "shared" if self.ref_count > 1 or len(self.request_ids) > 1 else self.state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,39 +105,10 @@ class BlocksSnapshot:
         return busy[:MAX_ROWS], max(0, len(busy) - MAX_ROWS)
 
     def __repr__(self) -> str:
-        shown, more = self._shown()
-        lines = [f"Blocks({self.summary()})"]
-        if shown:
-            lines.append(h.text_table(("block", "state", "ref", "requests", "hash", "tokens"),
-                                      [_cells(e) for e in shown]))
-        if more:
-            lines.append(f"  ... {more} more used or cached blocks")
-        free = [e.block_id for e in self.entries if e.state == FREE]
-        if free:
-            lines.append(f"  free: {h.clip(h.runs(free), 100)}")
-        return "\n".join(lines)
+        return implementation("blocks_text")(self)
 
     def _repr_html_(self) -> str:
-        shown, more = self._shown()
-        rows = [[h.esc(c) for c in _cells(e)] for e in shown]
-        body = h.table(("block", "state", "ref", "requests", "hash", "tokens"), rows) if rows else ""
-        if more:
-            body += f"<div>{h.muted(f'... {more} more used or cached blocks')}</div>"
-        free = [e.block_id for e in self.entries if e.state == FREE]
-        if free:
-            body += f"<div>{h.muted('free: ' + h.clip(h.runs(free), 100))}</div>"
-        return h.view("Blocks", body, subtitle=h.esc(self.summary()))
-
-
-def _cells(e: BlockEntry) -> tuple[str, ...]:
-    reqs = ",".join(map(str, e.request_ids)) or "-"
-    toks = ", ".join(map(str, e.token_ids[:8])) + (", ..." if e.num_tokens > 8 else "")
-    return (str(e.block_id), e.state, str(e.ref_count), reqs, short_hash(e.block_hash), f"[{toks}]")
-
-
-def short_hash(block_hash: int | None) -> str:
-    """The low 32 bits of a prefix hash in hex (``-`` for none): enough to tell blocks apart."""
-    return "-" if block_hash is None else f"{block_hash & 0xFFFFFFFF:08x}"
+        return implementation("blocks_html")(self)
 
 
 def take_blocks(manager, token_ids: Mapping[int, list[int]], step: int = 0) -> BlocksSnapshot:
@@ -162,6 +138,7 @@ def take_blocks(manager, token_ids: Mapping[int, list[int]], step: int = 0) -> B
     return BlocksSnapshot(bs, manager.enable_prefix_cache, tuple(entries), manager.stats, step)
 
 
+@provides("session.blocks")
 def take_session_blocks(sess) -> BlocksSnapshot:
     """``take_blocks`` for a Session (its manager, its requests' tokens, its step counter)."""
     st = sess.state

@@ -21,8 +21,10 @@ import dataclasses
 import torch
 
 from ..cache.block_table import blocks_needed
-from ..cache.slot_check import _runs as runs
+from ..cache.slot_check import ProblemReport
+from ..cache.slot_check import ranges_text as runs
 from ..engine.request import DECODING, PREFILLING
+from ..extensions import implementation, provides
 
 SECTIONS = ("blocks", "requests", "append_only", "slots", "collisions", "values")
 RUNNING = (PREFILLING, DECODING)
@@ -39,7 +41,7 @@ class CheckProblem:
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckReport:
+class CheckReport(ProblemReport):
     """What ``sess.check()`` found: ``.ok``, ``.problems`` (sentences), ``.items`` (with sections)."""
 
     items: tuple[CheckProblem, ...]
@@ -49,14 +51,6 @@ class CheckReport:
     num_blocks: int
     num_layers: int
     num_collisions: int
-
-    @property
-    def ok(self) -> bool:
-        return not self.items
-
-    @property
-    def problems(self) -> tuple[str, ...]:
-        return tuple(p.message for p in self.items)
 
     def section(self, name: str) -> tuple[str, ...]:
         """The problems of one section (see SECTIONS)."""
@@ -83,10 +77,10 @@ class CheckReport:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:  # deterministic: inline styles, no ids, no scripts
-        from .report_views import check_html
-        return check_html(self)
+        return implementation("check_html")(self)
 
 
+@provides("session.check")
 def check_session(engine, requests: dict, history) -> CheckReport:
     """Sweep every invariant of a Session's engine, requests and step ``history`` (oldest first)."""
     manager, ledger, cache = engine.manager, engine.ledger, engine.kv_cache

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+from ..extensions import provides
+
 
 @dataclasses.dataclass(frozen=True)
 class StateDigest:
@@ -43,6 +45,7 @@ def _h(obj) -> str:
     return hashlib.sha256(repr(obj).encode()).hexdigest()
 
 
+@provides("session.state_digest")
 def state_digest(sess) -> StateDigest:
     st = sess.state
     m, pool = st.manager, st.manager.pool

@@ -189,6 +189,11 @@ def runs(values: Iterable[int]) -> str:
     return ", ".join(out)
 
 
+def pre(text: str) -> str:
+    """Preformatted text (a text view shown as is in a notebook)."""
+    return f"<pre style='font-size:12px'>{esc(text)}</pre>"
+
+
 def clip(text: str | None, n: int = 60) -> str:
     if text is None:
         return ""

@@ -20,6 +20,7 @@ import torch
 from ..cache.ledger import SlotCollision, SlotWrite
 from ..engine.request import DECODING, PREFILLING, Request
 from ..errors import InvalidRequestError
+from ..extensions import implementation, provides
 
 RUNNING = (PREFILLING, DECODING)
 
@@ -65,10 +66,10 @@ class SlotInfo:
         return "\n".join(self._lines())
 
     def _repr_html_(self) -> str:
-        from .report_views import slot_info_html
-        return slot_info_html(self)
+        return implementation("slot_info_html")(self)
 
 
+@provides("session.kv")
 class KVView:
     """The Session's KV cache with its bookkeeping; see the module docstring."""
 
@@ -137,23 +138,16 @@ class KVView:
         """A snapshot of ``slot``: its last write, write history, current holders, collisions, faults."""
         slot = _index(slot, "slot")
         if not 0 <= slot < self.num_slots:
-            raise InvalidRequestError(f"slot {slot!r} is not a slot of this cache (0..{self.num_slots - 1}: "
-                                      f"{self.num_blocks} blocks x {self.block_size})")
+            raise InvalidRequestError(f"slot {slot!r} is outside the cache: slots are "
+                                      f"0..{self.num_slots - 1} ({self.num_blocks} blocks x {self.block_size})")
         ledger, bs = self._engine.ledger, self.block_size
         block, offset = divmod(slot, bs)
         last = ledger.last(slot)
-        held = []
-        manager = self._engine.manager
-        for rid in manager.owners(block):
-            req = self._requests.get(rid)
-            table = manager.block_table(rid)
-            pos = table.index(block) * bs + offset
-            if req is not None and req.status in RUNNING and pos < req.num_computed_tokens:
-                held.append((rid, pos))
+        held = slot_holders(self._engine.manager, self._requests, slot, bs)
         faults = self._engine.faults
         found = tuple(str(f) for f in faults.applied if f.slot == slot) if faults is not None else ()
         return SlotInfo(slot, block, offset, last.request_id if last else None, last.position if last else None,
-                        last.step if last else None, ledger.history(slot), tuple(held),
+                        last.step if last else None, ledger.history(slot), held,
                         tuple(c for c in ledger.collisions if c.slot == slot), found)
 
     def _layer(self, layer) -> int:
@@ -176,8 +170,22 @@ class KVView:
                 f"{k.dtype}, {k.device}; {self.num_slots} slots, {len(self._engine.ledger)} written)")
 
     def _repr_html_(self) -> str:
-        from .report_views import kv_html
-        return kv_html(self)
+        return implementation("kv_html")(self)
+
+
+def slot_holders(manager, requests: dict, slot: int, block_size: int) -> tuple[tuple[int, int], ...]:
+    """Who holds ``slot`` now: (request id, position) of each running request among ``requests``
+    (a session's own, or every branch's after a fork) whose computed tokens include the slot.
+    A block table that merely lists the block (a finished request's cached prefix, positions not
+    computed yet) does not hold it. ``sess.kv.slot`` and ``inspect_slot`` both answer with this."""
+    block, offset = divmod(slot, block_size)
+    held = []
+    for rid in manager.owners(block):
+        req = requests.get(rid)
+        pos = manager.block_table(rid).index(block) * block_size + offset
+        if req is not None and req.status in RUNNING and pos < req.num_computed_tokens:
+            held.append((rid, pos))
+    return tuple(held)
 
 
 def _index(x, name: str) -> int:

@@ -6,11 +6,16 @@ No device tensor is read; the same object gives the same bytes.
 """
 from __future__ import annotations
 
+import html
+
+from ..cache.slot_check import ranges_text
+from ..extensions import provides
 from . import html as h
 
 SHOWN = 20
 
 
+@provides("kv_html")
 def kv_html(kv) -> str:
     """``sess.kv``: the cache tensors' shape and size, what was written, and the block grid."""
     from .grid import block_grid_html
@@ -31,6 +36,7 @@ def kv_html(kv) -> str:
     return h.view("KV cache", body, subtitle=h.esc("[num_blocks, block_size, num_kv_heads, head_dim] per layer"))
 
 
+@provides("slot_info_html")
 def slot_info_html(info) -> str:
     """``sess.kv.slot(s)``: the last write, the holders, the history, collisions and faults."""
     if info.request_id is None:
@@ -51,6 +57,7 @@ def slot_info_html(info) -> str:
     return h.view(title, body)
 
 
+@provides("check_html")
 def check_html(report) -> str:
     """``sess.check()``: ok, or the problems by section."""
     summary = report._summary()
@@ -73,6 +80,7 @@ def _sections(report):
     return seen
 
 
+@provides("audit_html")
 def audit_html(report) -> str:
     """``sess.audit(request)``: per layer max |cached - recomputed| against the tolerance."""
     rows = []
@@ -90,3 +98,32 @@ def audit_html(report) -> str:
     if report.mismatches:
         body += h.problem_list([str(m) for m in report.mismatches], limit=SHOWN)
     return h.view("Audit", body, subtitle=h.esc(f"request {report.request_id}, {report.dtype}"))
+
+
+@provides("slot_report_html")
+def slot_report_html(report) -> str:
+    """``SlotReport`` (the slot check of one dispatch) as a table; deterministic: no ids, no scripts."""
+    if report.ok:
+        ok = f"&#10003; slot mapping ok ({report._summary()})"
+        return f'<div style="color:#1a7f37;font-weight:bold">{ok}</div>'
+    cells = "".join(f"<th style='text-align:left;padding:2px 6px'>{h}</th>" for h in
+                    ("check", "rows", "requests", "slot", "block", "offset", "problem"))
+    body = "".join(
+        "<tr>" + "".join(f"<td style='padding:2px 6px;text-align:left;vertical-align:top'>"
+                         f"{html.escape(str(v))}</td>" for v in (
+            p.check, ranges_text(p.rows), ", ".join(map(str, p.request_ids)) or "-", p.slot, p.block,
+            p.offset, p.message)) + "</tr>" for p in report.items)
+    n = len(report.items)
+    return (f'<div style="font-family:ui-monospace,monospace;font-size:12px"><div style="color:#cf222e;'
+            f'font-weight:bold">&#10007; {n} slot problem{"s" * (n != 1)} ({report._summary()})</div>'
+            f'<table><thead><tr>{cells}</tr></thead>'
+            f"<tbody>{body}</tbody></table></div>")
+
+
+@provides("memory_report_html")
+def memory_report_html(report) -> str:
+    """``sess.memory()`` as a two-column table."""
+    cell = "<td style='text-align:left;padding:2px 6px'>{}</td>"
+    body = "".join(f"<tr>{cell.format(html.escape(k.strip()))}{cell.format(html.escape(v))}</tr>"
+                   for k, v in report.rows())
+    return f"<div><b>memory ({html.escape(report.device)})</b><table>{body}</table></div>"

@@ -1,7 +1,7 @@
 """One KV slot in detail: where it is, who holds it now, who wrote it, and how big its K/V are.
 
     slot 2051 = block 128 * block_size 16 + offset 3
-    holders:  requests whose block table holds block 128, each at position index * 16 + 3
+    holders:  running requests whose computed tokens include the slot (``inspect.kv.slot_holders``)
     history:  the ledger's last writes (request, position, step), oldest first
     norms:    |K| and |V| of the slot in every layer (over kv heads x head_dim)
 
@@ -13,8 +13,7 @@ import dataclasses
 
 import torch
 
-from ..errors import InvalidRequestError
-from . import html as h
+from ..extensions import implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,65 +23,29 @@ class SlotDetail:
     offset: int
     ref_count: int
     cached: bool
-    holders: tuple[tuple[int, int], ...]            # (request id, position) per block table holding it
+    holders: tuple[tuple[int, int], ...]            # (request id, position) of running requests reading it
     history: tuple[tuple[int, int, int], ...]       # (request id, position, step), oldest first
     k_norms: tuple[float, ...]                      # per layer
     v_norms: tuple[float, ...]
 
     def __repr__(self) -> str:
-        return slot_detail_text(self)
+        return implementation("slot_detail_text")(self)
 
     def _repr_html_(self) -> str:
-        return slot_detail_html(self)
+        return implementation("slot_detail_html")(self)
 
 
 def inspect_slot(sess, slot: int) -> SlotDetail:
     """Describe ``slot`` of ``sess``'s cache (raises InvalidRequestError for a slot outside it)."""
     engine = sess.state.engine
-    kv, manager, bs = engine.kv_cache, engine.manager, sess.config.block_size
-    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < kv.num_slots:
-        raise InvalidRequestError(f"slot {slot!r} is outside the cache: slots are 0..{kv.num_slots - 1} "
-                                  f"({kv.num_blocks} blocks x {bs})")
-    block, offset = divmod(slot, bs)
-    holders = []
-    for rid in manager.request_ids():
-        table = manager.block_table(rid)
-        for i, b in enumerate(table):
-            if b == block:
-                holders.append((rid, i * bs + offset))
-    info = manager.pool.block(block)
-    history = tuple((w.request_id, w.position, w.step) for w in engine.ledger.history(slot))
+    kv = engine.kv_cache
+    slot_info = sess.kv.slot(slot)          # the same validation and the same holders as sess.kv.slot
+    slot, block, offset = slot_info.slot, slot_info.block, slot_info.offset
+    info = engine.manager.pool.block(block)
+    history = tuple((w.request_id, w.position, w.step) for w in slot_info.history)
     with torch.no_grad():
         k = torch.stack([t[block, offset].float().norm() for t in kv.keys])     # [layers]
         v = torch.stack([t[block, offset].float().norm() for t in kv.values])   # [layers]
         norms = torch.stack([k, v]).cpu().tolist()                             # [2, layers]
-    return SlotDetail(slot, block, offset, info.ref_count, info.block_hash is not None, tuple(holders), history,
-                      tuple(round(x, 4) for x in norms[0]), tuple(round(x, 4) for x in norms[1]))
-
-
-def _state(d: SlotDetail) -> str:
-    if d.ref_count > 1:
-        return f"shared (ref count {d.ref_count})"
-    if d.ref_count == 1:
-        return "used"
-    return "cached (ref count 0, reusable prefix)" if d.cached else "free"
-
-
-def slot_detail_text(d: SlotDetail) -> str:
-    held = ", ".join(f"request {r} position {p}" for r, p in d.holders) or "nobody"
-    hist = "; ".join(f"request {r} position {p} at step {s}" for r, p, s in d.history) or "never written"
-    norms = ", ".join(f"L{i} {k:.3f}/{v:.3f}" for i, (k, v) in enumerate(zip(d.k_norms, d.v_norms)))
-    return (f"Slot {d.slot} (block {d.block}, offset {d.offset}): {_state(d)}\n  held by: {held}\n"
-            f"  writes: {hist}\n  |K|/|V| by layer: {norms}")
-
-
-def slot_detail_html(d: SlotDetail) -> str:
-    held = " ".join(f"{h.request_chip(r)} position {p}" for r, p in d.holders) or h.muted("nobody")
-    rows = [(h.request_chip(r), str(p), str(s)) for r, p, s in d.history]
-    hist = h.table(("request", "position", "step"), rows) if rows else h.muted("never written")
-    norms = h.table(["layer"] + [str(i) for i in range(len(d.k_norms))],
-                    [["|K|"] + [f"{x:.3f}" for x in d.k_norms], ["|V|"] + [f"{x:.3f}" for x in d.v_norms]])
-    body = (h.fields([("block", str(d.block)), ("offset", str(d.offset)), ("state", h.esc(_state(d)))])
-            + h.section("held by", held) + h.section("write history (oldest first)", hist)
-            + h.section("K/V norms", norms))
-    return h.view(f"Slot {d.slot}", body)
+    return SlotDetail(slot, block, offset, info.ref_count, info.block_hash is not None, slot_info.held_by,
+                      history, tuple(round(x, 4) for x in norms[0]), tuple(round(x, 4) for x in norms[1]))

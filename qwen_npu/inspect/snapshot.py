@@ -15,6 +15,9 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
+from ..extensions import implementation, provides
+from .blocks import take_blocks
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockCell:
@@ -55,12 +58,10 @@ class RequestSnapshot:
     block_size: int | None = None
 
     def __repr__(self) -> str:
-        from .views import request_text
-        return request_text(self)
+        return implementation("request_text")(self)
 
     def _repr_html_(self) -> str:
-        from .views import request_html
-        return request_html(self)
+        return implementation("request_html")(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +110,10 @@ class StepSnapshot:
         return {s: tuple(rs) for s, rs in sorted(rows.items()) if len(rs) > 1}
 
     def __repr__(self) -> str:
-        from .step_view import step_text
-        return step_text(self)
+        return implementation("step_text")(self)
 
     def _repr_html_(self) -> str:
-        from .step_view import step_html
-        return step_html(self)
+        return implementation("step_html")(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,40 +132,21 @@ class SessionSnapshot:
         return dict(collections.Counter(r.status for r in self.requests))
 
     def __repr__(self) -> str:
-        from .views import session_text
-        return session_text(self)
+        return implementation("session_text")(self)
 
     def _repr_html_(self) -> str:
-        from .views import session_html
-        return session_html(self)
+        return implementation("session_html")(self)
 
 
 # ---- taking snapshots ------------------------------------------------------------------------------
 
 def take_cache(manager) -> CacheSnapshot:
-    """Copy a KVCacheManager's block states (host bookkeeping only)."""
-    pool, bs = manager.pool, manager.block_size
-    holders: dict[int, list[int]] = collections.defaultdict(list)
-    held: dict[int, int] = {}
-    for rid in manager.request_ids():
-        computed = manager.num_computed_tokens(rid)
-        for i, b in enumerate(manager.block_table(rid)):
-            holders[b].append(rid)
-            held[b] = max(held.get(b, 0), min(bs, max(0, computed - i * bs)))
-    cells = []
-    for info in pool.blocks():
-        b = info.block_id
-        owners = tuple(sorted(holders.get(b, ())))
-        if info.ref_count > 1 or len(owners) > 1:
-            state = "shared"
-        elif info.ref_count == 1:
-            state = "used"
-        elif info.block_hash is not None:
-            state = "cached"
-        else:
-            state = "free"
-        tokens = bs if state == "cached" else held.get(b, 0)
-        cells.append(BlockCell(b, info.ref_count, owners, state, tokens))
+    """Copy a KVCacheManager's block states (host bookkeeping only): the cells of ``take_blocks``
+    (the one per-block snapshot), with "shared" for a block more than one request holds."""
+    bs = manager.block_size
+    counts = {rid: range(manager.num_computed_tokens(rid)) for rid in manager.request_ids()}
+    cells = [BlockCell(e.block_id, e.ref_count, e.request_ids, e.display_state, e.num_tokens)
+             for e in take_blocks(manager, counts)]
     s = manager.stats
     stats = tuple((f.name, getattr(s, f.name)) for f in dataclasses.fields(s)) + (("hit_rate", s.hit_rate),)
     num_cached = manager.num_cached_blocks
@@ -174,6 +154,7 @@ def take_cache(manager) -> CacheSnapshot:
                          manager.num_free_blocks - num_cached, tuple(cells), manager.enable_prefix_cache, stats)
 
 
+@provides("take_request")
 def take_request(req, block_size: int | None = None) -> RequestSnapshot:
     """Copy a live Request (its text is decoded now). Without ``block_size``, the block size of
     the cache manager that keeps the request's block table is used, when it can be found."""
@@ -194,6 +175,7 @@ def logits_state(logits) -> str:
     return "stale" if logits.is_stale else "live view"
 
 
+@provides("take_step")
 def take_step(step, block_size: int | None = None) -> StepSnapshot:
     """Copy a StepResult (all host tensors; the device logits are described, not read)."""
     qlens = [int(q) for q in step.query_lens.tolist()]
@@ -229,6 +211,7 @@ def take_step(step, block_size: int | None = None) -> StepSnapshot:
         tuple((k, int(v)) for k, v in usage.items()))
 
 
+@provides("session.snapshot")
 def take_session(sess) -> SessionSnapshot:
     """Copy everything the Session view shows."""
     mc, c = sess.model_config, sess.config

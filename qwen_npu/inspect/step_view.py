@@ -11,6 +11,7 @@ stale), never copied: their view moves no data across the host/device boundary.
 """
 from __future__ import annotations
 
+from ..extensions import provides
 from . import html as h
 from .grid import slot_strip_html, table_strip_html
 from .snapshot import StepSnapshot
@@ -54,6 +55,7 @@ def _timings(s: StepSnapshot) -> str:
     return ", ".join(f"{k} {h.fmt_ms(v)}" for k, v in s.timings)
 
 
+@provides("step_text")
 def step_text(s: StepSnapshot) -> str:
     head = f"StepResult(step {s.index}, {s.kind}, {_rows_note(s)}; {_tokens_note(s)})"
     rows = [(r.row, f"{r.request_id}{' (padding)' if r.padding else ''}", h.runs(r.positions), r.seq_len,
@@ -74,6 +76,7 @@ def step_text(s: StepSnapshot) -> str:
     return "\n".join(lines)
 
 
+@provides("step_html")
 def step_html(s: StepSnapshot) -> str:
     dup = s.duplicate_slots()
     tables: dict[int, int] = {}
@@ -122,12 +125,7 @@ def logits_fields(logits) -> list[tuple[str, str]]:
             ("state", logits_state(logits))]
 
 
-def logits_text(logits) -> str:
-    f = dict(logits_fields(logits))
-    return (f"DeviceLogits(step {f['step']}, shape={tuple(logits.shape)}, dtype={logits.dtype}, "
-            f"device={f['device']}, {f['state']})")
-
-
+@provides("logits_html")
 def logits_html(logits) -> str:
     f = logits_fields(logits)
     state = dict(f)["state"]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import InvalidRequestError
-from . import html as h
+from ..extensions import implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +31,10 @@ class TopK:
         return list(zip(self.token_ids[i], self.probs[i]))
 
     def __repr__(self) -> str:
-        return topk_text(self)
+        return implementation("topk_text")(self)
 
     def _repr_html_(self) -> str:
-        return topk_html(self)
+        return implementation("topk_html")(self)
 
 
 def topk(step, k: int = 5, decode: Callable[[list[int]], str] | None = None) -> TopK:
@@ -61,37 +61,3 @@ def topk(step, k: int = 5, decode: Callable[[list[int]], str] | None = None) -> 
     texts = tuple(tuple(decode([i]) for i in row) for row in id_rows) if decode is not None else None
     return TopK(step.index, tuple(step.logits_request_ids), id_rows,
                 tuple(tuple(float(f"{p:.4g}") for p in row) for row in probs_h.tolist()), texts)
-
-
-def fmt_prob(p: float) -> str:
-    """0.4215 -> "0.4215", 6.6e-06 -> "6.6e-06": four significant digits at most."""
-    return f"{p:.4g}"
-
-
-def _label(t: TopK, r: int, j: int) -> str:
-    tok = t.token_ids[r][j]
-    return f"{tok} {t.texts[r][j]!r}" if t.texts is not None else str(tok)
-
-
-def topk_text(t: TopK) -> str:
-    lines = [f"top-{len(t.token_ids[0]) if t.token_ids else 0} next tokens of step {t.step}"]
-    for r, rid in enumerate(t.request_ids):
-        lines.append(f"  request {rid}: " + ", ".join(f"{_label(t, r, j)} {fmt_prob(p)}"
-                                                      for j, p in enumerate(t.probs[r])))
-    return "\n".join(lines)
-
-
-def topk_html(t: TopK) -> str:
-    rows = []
-    for r, rid in enumerate(t.request_ids):
-        bars = []
-        top = max(t.probs[r], default=0.0) or 1.0
-        for j, p in enumerate(t.probs[r]):
-            w = max(1, round(80 * p / top))          # bars relative to the row's most likely token
-            bars.append(f'<div style="white-space:nowrap"><span style="display:inline-block;width:{w}px;height:9px;'
-                        f'background:{h.owner_color(rid)};border:1px solid #8c959f;vertical-align:middle"></span>'
-                        f" {fmt_prob(p)} {h.esc(_label(t, r, j))}</div>")
-        rows.append((h.request_chip(rid), "".join(bars)))
-    body = h.table(("request", "next token: probability, id, text"), rows) if rows else h.muted("no rows")
-    return h.view(f"Top-{len(t.token_ids[0]) if t.token_ids else 0} next tokens", body,
-                  subtitle=h.esc(f"step {t.step}"))

@@ -3,7 +3,7 @@
     with sess.capture("layers.*.attn.q") as cap: ...     capture.py    activations per step and row
     sess.attention(request, layer)                       attention.py  probabilities from the paged cache
     with sess.intervene(name, fn): ...                   intervene.py  edit an activation in flight
-    child = sess.fork()                                  fork.py       branch with copy-on-write KV blocks
+    child = sess.fork()                                  ../session_fork.py  branch with copy-on-write KV blocks
     qwen_npu.compare(a, b, requests)                     compare.py    the first place two sessions differ
     logit_lens(sess, cap, request)                       lens.py       final norm + LM head on any residual
     direct_logit_attribution(sess, cap, request, t)      attribution.py  per head / MLP direct logit effects

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import html
 
 import torch
 
 from ..errors import InvalidRequestError
+from ..extensions import provides
+from ..inspect import html as H
 from ..kernels import get_kernels
 from ..kernels.metadata import AttentionMetadata
 
@@ -102,9 +103,10 @@ class AttentionPattern:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        return f"<pre style='font-size:12px'>{html.escape(repr(self))}</pre>"
+        return H.pre(repr(self))
 
 
+@provides("session.attention")
 def attention_pattern(sess, request, layer: int, head=None, positions=None) -> AttentionPattern:
     """See the module docstring; arguments are checked before anything runs."""
     mc = sess.model_config

@@ -33,6 +33,7 @@ import dataclasses
 import torch
 
 from ..errors import InvalidRequestError
+from ..extensions import provides
 from ..inspect.html import fmt_bytes
 from . import capture_memory, hooks
 from .capture_views import CaptureViews
@@ -81,6 +82,7 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
+@provides("session.capture")
 class Capture(CaptureViews):
     """Recorded activations by (step, request, name); a context manager (see module docstring)."""
 

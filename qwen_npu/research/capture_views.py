@@ -5,11 +5,10 @@ handed out is always complete.
 """
 from __future__ import annotations
 
-import html
-
 import torch
 
 from ..errors import InvalidRequestError
+from ..inspect import html as H
 from . import hooks
 
 
@@ -150,4 +149,4 @@ class CaptureViews:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        return f"<pre style='font-size:12px'>{html.escape(repr(self))}</pre>"
+        return H.pre(repr(self))

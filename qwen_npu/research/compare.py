@@ -19,7 +19,6 @@ are not computed and are skipped). Both sessions must be idle; the requests stay
 from __future__ import annotations
 
 import dataclasses
-import html
 import re
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from ..engine.engine import check_not_pending
 from ..engine.request import PREFILLING, WAITING, SamplingParams
 from ..errors import InvalidRequestError
+from ..inspect import html as H
 from . import hooks
 from .capture import Capture
 
@@ -101,7 +101,7 @@ class DivergenceReport:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        return f"<pre style='font-size:12px'>{html.escape(repr(self))}</pre>"
+        return H.pre(repr(self))
 
 
 def _layer(name: str) -> int | None:

@@ -32,9 +32,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidRequestError
+from ..extensions import provides
 from . import hooks
 
 
+@provides("session.intervene")
 class Intervention:
     """One edit, active inside its ``with`` block (see module docstring)."""
 

@@ -17,7 +17,7 @@ from qwen_npu import (
     StreamHealthWarning,
     check_slot_mapping,
 )
-from qwen_npu.cache.slot_check import _runs
+from qwen_npu.cache.slot_check import ranges_text
 
 LENS = (5, 6, 7, 8)
 NEW = (2, 7, 6, 5)
@@ -79,7 +79,7 @@ def test_replicate_with_checks_off_runs_and_check_lists_every_collision(tiny_ckp
     for step, msg in zip(partial, collisions):
         slot = int(step.slot_mapping[0])
         rows = [0, *range(step.num_active, step.batch_size)]       # row 0 and every padding row
-        assert msg.startswith(f"step {step.index}: rows {_runs(rows)} (request {step.request_ids[0]}) wrote slot "
+        assert msg.startswith(f"step {step.index}: rows {ranges_text(rows)} (request {step.request_ids[0]}) wrote slot "
                               f"{slot} (block {slot // BS}, offset {slot % BS}) {len(rows)} times in one step")
     assert report.problems == collisions                     # nothing else is wrong
 

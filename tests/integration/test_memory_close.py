@@ -1,5 +1,6 @@
 """KV memory budgets, the memory report, and close() / the context manager giving memory back."""
 import gc
+import html
 import weakref
 
 import pytest
@@ -74,7 +75,7 @@ def test_close_frees_tensors_and_later_calls_say_so(tiny_ckpt_small_vocab):
     for call in (lambda: sess.add_request([1, 2]), sess.step, sess.memory, lambda: sess.generate([[1]])):
         with pytest.raises(InvalidRequestError, match="session is closed"):
             call()
-    assert "closed" in repr(sess)
+    assert "closed" in repr(sess) and sess._repr_html_() == f"<div>{html.escape(repr(sess))}</div>"
     sess.close()                                   # idempotent
 
 

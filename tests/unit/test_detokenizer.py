@@ -14,9 +14,8 @@ ASTRONAUT = [148738, 378, 235, 145836]   # "🧑‍🚀": person, zero-width joi
 
 @pytest.fixture(scope="module")
 def tok():
-    from tokenizers import Tokenizer
-    t = Tokenizer.from_file(str(tokenizer_files_dir() / "tokenizer.json"))
-    return lambda ids: t.decode(list(ids), skip_special_tokens=True)
+    from qwen_npu.tokenizer import Tokenizer
+    return Tokenizer(tokenizer_files_dir()).decode       # the bound decode, as a Request holds it
 
 
 def test_a_split_character_waits_for_its_last_token(tok):
@@ -54,3 +53,12 @@ def test_finish_flushes_an_incomplete_tail(tok):
 ])
 def test_pending_stop_prefix(text, stops, held):
     assert pending_stop_prefix(text, stops) == held
+
+
+def test_a_copy_steps_on_independently(tok):
+    d = IncrementalDetokenizer(tok)
+    d.push([MELT[0]])
+    c = d.copy()
+    assert d.push(MELT[1:]) == "🫠" and d.token_ids == MELT
+    assert c.text == "" and c.token_ids == MELT[:1]
+    assert c.push([MELT[1]]) == "" and c.push(PARROT) == tok([MELT[0], MELT[1]] + PARROT)

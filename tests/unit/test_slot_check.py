@@ -226,12 +226,25 @@ def test_step_live_overwrite_of_another_request():
     assert check_step_writes(same, block_size=BS, num_blocks=16, ledger=ledger, is_live=always) == []
 
 
+def writes_from_flat(step, kind, request_ids, query_lens, positions, slot_mapping, block_tables):
+    """A StepWrites from flat per-token positions / slots, split into rows by ``query_lens``."""
+    ints = lambda x: [int(v) for v in (x.tolist() if isinstance(x, torch.Tensor) else x)]
+    qls, pos, slots = ints(query_lens), ints(positions), ints(slot_mapping)
+    starts = [0]
+    for n in qls:
+        starts.append(starts[-1] + n)
+    rows = range(len(qls))
+    tables = block_tables.tolist() if isinstance(block_tables, torch.Tensor) else [list(t) for t in block_tables]
+    return StepWrites(step, kind, len(qls), len(qls), ints(request_ids), [pos[starts[r]:starts[r + 1]] for r in rows],
+                      [slots[starts[r]:starts[r + 1]] for r in rows], tables)
+
+
 def test_step_writes_validation_and_from_flat():
     with pytest.raises(ValueError, match="kind"):
         StepWrites(1, "verify", 0, 0, [], [], [], [])
     with pytest.raises(ValueError, match="row_slots"):
         StepWrites(1, "decode", 2, 2, [1, 2], [[0], [0]], [[0]], [[0], [1]])
-    w = StepWrites.from_flat(1, "prefill", torch.tensor([4, 5]), [2, 1], [0, 1, 0],
+    w = writes_from_flat(1, "prefill", torch.tensor([4, 5]), [2, 1], [0, 1, 0],
                              torch.tensor([16, 17, 32]), torch.tensor([[1], [2]]))
     assert w.row_slots == [[16, 17], [32]] and w.row_positions == [[0, 1], [0]] and w.num_active == 2
     assert check_step_writes(w, block_size=BS, num_blocks=4) == []
@@ -300,5 +313,5 @@ def test_correct_dispatch_is_always_ok(d):
     assert rep.ok, rep.problems
     assert check_slot_mapping(torch.tensor(slots), torch.tensor(tables), bs, seq_lens=seq_lens,
                               num_blocks=num_blocks, query_lens=qls).ok
-    w = StepWrites.from_flat(0, "prefill", list(range(len(qls))), qls, positions, slots, tables)
+    w = writes_from_flat(0, "prefill", list(range(len(qls))), qls, positions, slots, tables)
     assert check_step_writes(w, block_size=bs, num_blocks=num_blocks, ref_count=lambda b: 1) == []

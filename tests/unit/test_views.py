@@ -222,3 +222,21 @@ def test_request_view_marks_blocks_from_the_prefix_cache(tiny_ckpt_small_vocab):
     assert "block_table[0] = block 0: positions 0..3, 4/4 computed (from the prefix cache)" in html
     assert "block_table[2] = block 3: positions 8..11, 2/4 computed\"" in html
     assert "cached=8" in repr(sess.snapshot().requests[1])
+
+
+def test_inspect_slot_and_kv_slot_agree_on_who_holds_a_slot(tiny_ckpt_small_vocab):
+    """A slot is held by a running request only up to its computed tokens: the free end of a
+    request's last block is listed in its block table but held by nobody, in both views."""
+    sess = small_session(tiny_ckpt_small_vocab)
+    req = sess.add_request([20, 21, 22], SamplingParams(max_new_tokens=4))
+    sess.step()                                           # prefill: positions 0..2 computed
+    block = req.block_table[0]
+    computed, free_end = block * 4 + 2, block * 4 + 3
+    assert inspect_slot(sess, computed).holders == sess.kv.slot(computed).held_by == ((req.id, 2),)
+    assert inspect_slot(sess, free_end).holders == sess.kv.slot(free_end).held_by == ()
+    for bad in (-1, 128, "3"):
+        with pytest.raises(InvalidRequestError) as a:
+            inspect_slot(sess, bad)
+        with pytest.raises(InvalidRequestError) as b:
+            sess.kv.slot(bad)
+        assert str(a.value) == str(b.value)

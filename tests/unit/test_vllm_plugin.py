@@ -9,6 +9,7 @@ import types
 import pytest
 
 import qwen_npu.integrations.vllm as plugin
+import qwen_npu.integrations.vllm.notices as notices
 from qwen_npu.errors import SlotCollisionError
 
 BS = 4
@@ -100,7 +101,7 @@ def fake_engine(tmp_path, monkeypatch):
     for name in ("vllm_ascend", "vllm_ascend.worker", "vllm_ascend.worker.model_runner_v1"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setattr(plugin, "_guard", None)
-    monkeypatch.setattr(plugin, "_said", set())
+    monkeypatch.setattr(notices, "_said", set())
     monkeypatch.setattr("atexit.register", lambda f: None)
     yield vllm
     for name in ("vllm_ascend", "vllm_ascend.worker", "vllm_ascend.worker.model_runner_v1"):

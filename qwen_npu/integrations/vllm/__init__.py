@@ -21,22 +21,12 @@ import logging
 import os
 
 from ..step_guard import MODES, StepGuard
+from .notices import SUPPORTED_VLLM, SUPPORTED_VLLM_ASCEND, log, say_once
 
 ENV = "QWEN_NPU_VLLM_GUARD"
 LOG_ENV = "QWEN_NPU_VLLM_GUARD_LOG"
-SUPPORTED_VLLM = ("0.32.",)                          # vLLM's own V1 runner, read and tested
-SUPPORTED_VLLM_ASCEND = ("0.27.", "0.28.", "0.29.", "0.30.", "0.31.", "0.32.")
-log = logging.getLogger("qwen_npu.guard")
 
 _guard: StepGuard | None = None
-_said: set[str] = set()
-
-
-def say_once(key: str, text: str, level: int = logging.WARNING) -> None:
-    """Log `text` the first time `key` is seen in this process."""
-    if key not in _said:
-        _said.add(key)
-        log.log(level, "qwen_npu slot guard: %s", text)
 
 
 def mode_from_env(environ=os.environ) -> str | None:

@@ -14,7 +14,7 @@ import sys
 
 from ...errors import SlotCollisionError
 from ..step_guard import StepGuard
-from . import say_once
+from .notices import SUPPORTED_VLLM, SUPPORTED_VLLM_ASCEND, say_once
 from .runner_steps import ascend_steps, vllm_steps
 
 V1_MODULE, V1_CLASS = "vllm.v1.worker.gpu_model_runner", "GPUModelRunner"
@@ -50,7 +50,6 @@ def _patch_module(module) -> None:
 
 
 def version_ok(engine: str) -> bool:
-    from . import SUPPORTED_VLLM, SUPPORTED_VLLM_ASCEND
     v = _state["version"] or ""
     ok = v.startswith(SUPPORTED_VLLM if engine == "vllm" else SUPPORTED_VLLM_ASCEND)
     if not ok:
