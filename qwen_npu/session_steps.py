@@ -85,7 +85,7 @@ class SessionSteps:
             raise
         commit.then.append(lambda: self.history.append(step))
         commit.then.append(self._advance)
-        commit.apply(self._generators, stacklevel=4)     # warnings point at the caller of step()
+        commit.apply(self._generators, stacklevel=5)     # warnings point at the caller of step()
         return step
 
     def _advance(self) -> None:
@@ -129,7 +129,7 @@ class SessionSteps:
         draft = StepDraft(self._engine.manager, self._requests)
         commit = Commit(self._engine, draft)
         ids = self._engine.sample(step, draft, self._generators, commit, force=force)
-        commit.apply(self._generators)
+        commit.apply(self._generators, stacklevel=4)    # the caller of sample()
         return ids
 
     def _forced(self, step: StepResult, force) -> dict[int, int]:
