@@ -128,6 +128,7 @@ class SessionConfig:
     decode_padding: str = "runtime"
     kernels: str = "reference"
     deterministic: bool = False     # one forward per token: results independent of batch and chunking
+    mixed_steps: bool = False       # step()/generate() put decode rows and prefill chunks in one forward
 
     @property
     def max_blocks_per_seq(self) -> int:
