@@ -25,7 +25,8 @@ decoding request first (one token each, as a decode step would, preempting the s
 fills what is left of the ``chunk_size`` token budget with prefill chunks, planned as a prefill
 step would plan them (a preemption by a decode row stops admission for the step, as above). So
 running requests keep decoding while newcomers prefill. When the decode rows alone use the
-whole budget, the step is a plain decode step.
+whole budget (more decoding requests than ``chunk_size`` tokens), the step is a plain decode step
+and newcomers wait until a running request finishes.
 """
 from __future__ import annotations
 
@@ -51,13 +52,14 @@ class Scheduler:
 
         ``rows``: rows already planned for this step (a mixed step's decode rows), which use the
         budget first and may be preempted like any running request newer than a prefilling one.
+        ``admitting``: False once a waiting request found no room or one was preempted (then no
+        waiting request is admitted in this step).
         """
         requests, candidates = draft.all(requests), draft.all(candidates)
         manager = draft.manager
         rows = list(rows or [])
         budget = self.chunk_size - sum(n for _, n in rows)
         num_running = len(self.running(requests))
-        # False once a waiting request found no room or one was preempted
         for req in candidates:
             if len(rows) == self.max_batch or budget == 0:
                 break

@@ -36,7 +36,7 @@ def overwrite(plan):
 @pytest.mark.parametrize("edit, check", [(duplicate, "duplicate"), (overwrite, "live_overwrite")])
 def test_raise_refuses_a_tampered_mixed_step_and_changes_nothing(tiny_ckpt_small_vocab, monkeypatch, edit, check):
     sess = open_session(tiny_ckpt_small_vocab, slot_check="raise", mixed_steps=True)
-    a, b, c = to_mixed_step(sess)
+    to_mixed_step(sess)
     before = sess.state_digest()
     with tampered_plans(monkeypatch, edit), pytest.raises(SlotCollisionError) as err:
         sess.step()
@@ -58,7 +58,7 @@ def test_warn_runs_a_colliding_mixed_step_and_check_names_its_row_kinds(tiny_ckp
         step = sess.step()
     assert step.kind == "mixed"
     assert any(issubclass(w.category, SlotCollisionWarning) for w in seen)
-    assert [p.check for p in step.slot_problems][0] == "duplicate"
+    assert step.slot_problems[0].check == "duplicate"
     (collision,) = sess._engine.ledger.collisions
     assert collision.kinds == ("decode", "prefill") and collision.rows == (0, 2)
     report = sess.check()

@@ -23,7 +23,8 @@ def ckpt(tmp_path_factory):
 
 
 def open_session(ckpt, **kw):
-    args = dict(device="cpu", max_batch=4, block_size=4, max_model_len=96, num_blocks=256, chunk_size=8)
+    args = {"device": "cpu", "max_batch": 4, "block_size": 4, "max_model_len": 96, "num_blocks": 256,
+            "chunk_size": 8}
     args.update(kw)
     return Session.from_pretrained(ckpt, **args)
 
@@ -52,16 +53,17 @@ def staggered(sess, shared_prefix=False):
 
 
 CASES = {
-    "prefix_cache": dict(prefix_cache=True),
-    "no_prefix_cache": dict(prefix_cache=False),
-    "preemption": dict(num_blocks=12),       # 48 slots: the four requests cannot all stay
+    "prefix_cache": {"prefix_cache": True},
+    "no_prefix_cache": {"prefix_cache": False},
+    "preemption": {"num_blocks": 12},       # 48 slots: the four requests cannot all stay
+    "deterministic": {"deterministic": True},   # one forward per token, mixed steps included
 }
 
 
 @pytest.mark.parametrize("kernels", ["reference", "cpu"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_streams_are_identical_with_mixed_steps_on_and_off(ckpt, case, kernels):
-    kw = dict(CASES[case], kernels=kernels)
+    kw = {**CASES[case], "kernels": kernels}
     shared = case == "prefix_cache"
     want, kinds_off, _ = staggered(open_session(ckpt, mixed_steps=False, **kw), shared)
     sess = open_session(ckpt, mixed_steps=True, **kw)
@@ -182,3 +184,17 @@ def test_views_dumps_and_captures_of_a_mixed_step(ckpt, tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps(d))
     with pytest.raises(InvalidRequestError, match="is mixed but its row_kinds"):
         load_dump(tmp_path / "bad.json")
+
+
+def test_decode_rows_that_fill_the_budget_make_a_plain_decode_step(ckpt):
+    sess = open_session(ckpt, mixed_steps=True, chunk_size=2)
+    ps = prompts(LENS)
+    a, b = sess.add_request(ps[0][:1], greedy(3)), sess.add_request(ps[1][:1], greedy(3))
+    assert sess.step().kind == "prefill"               # both one-token prompts: now both decode
+    c = sess.add_request(ps[2][:3], greedy(2))
+    kinds = []
+    while not c.is_done:
+        kinds.append(sess.step().kind)
+    # two decode rows use the whole budget of two tokens: c waits until a and b finish
+    assert kinds == ["decode", "decode", "prefill", "prefill", "decode"]
+    assert a.is_done and b.is_done and len(c.output_token_ids) == 2

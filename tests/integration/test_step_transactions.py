@@ -98,8 +98,8 @@ SCENARIOS = {
     "prefix_hits": (prefix_hits, {}),
     "preemption": (preemption, dict(num_blocks=5, max_batch=2)),
     "by_hand": (by_hand, {}),
-    "mixed_steps": (mixed_steps, dict(mixed_steps=True)),
-    "mixed_steps_preemption": (mixed_steps, dict(mixed_steps=True, num_blocks=6, prefix_cache=False)),
+    "mixed_steps": (mixed_steps, {"mixed_steps": True}),
+    "mixed_steps_preemption": (mixed_steps, {"mixed_steps": True, "num_blocks": 6, "prefix_cache": False}),
     "capture": (with_capture, {}),
 }
 
