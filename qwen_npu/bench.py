@@ -83,6 +83,7 @@ def run_workload(sess, work: workloads.Workload) -> dict:
     reqs = [sess.add_request(list(p), _greedy(n)) for p, n in work]
     prefill_s = prefill_tokens = d2h = h2d = 0
     decode: dict[int, list[float]] = {}
+    mixed, mixed_tokens = [], 0
     t0 = time.perf_counter()
     while not all(r.is_done for r in reqs):
         ts = time.perf_counter()
@@ -93,6 +94,9 @@ def run_workload(sess, work: workloads.Workload) -> dict:
         if step.kind == "prefill":
             prefill_s += dt
             prefill_tokens += int(step.query_lens.sum())
+        elif step.kind == "mixed":             # decode rows and prefill chunks in one forward
+            mixed.append(dt)
+            mixed_tokens += int(step.query_lens.sum())
         else:
             decode.setdefault(step.batch_size, []).append(dt)
     seconds = time.perf_counter() - t0
@@ -106,6 +110,7 @@ def run_workload(sess, work: workloads.Workload) -> dict:
         "prefill_tok_s": round(prefill_tokens / prefill_s, 1) if prefill_s else None,
         "decode_steps": sum(len(v) for v in decode.values()), "decode_s": round(sum(map(sum, decode.values())), 3),
         "decode_ms_workload_b16": round(1e3 * statistics.median(full), 2) if full else None,
+        "mixed_step_count": len(mixed), "mixed_s": round(sum(mixed), 3), "mixed_tokens": mixed_tokens,
         "d2h_bytes_per_token": round(d2h / max(n_out, 1), 2), "h2d_bytes_per_token": round(h2d / max(n_out, 1), 2),
     }
 
@@ -139,7 +144,7 @@ PEER_DTYPES = ("auto", "float32", "bfloat16", "both")
 
 def run_bench(work="mixed", *, model=None, compare: str | None = None, device: str = "auto",
               kernels: str = "auto", prefix_cache: bool = True, probes: bool = True, floors: bool = True,
-              peer_dtype: str = "auto", log=None) -> dict:
+              peer_dtype: str = "auto", mixed_steps: bool = False, log=None) -> dict:
     """Load, warm up and time ``work`` (a workload name or a list of (prompt ids, new tokens)).
 
     Returns a flat dict: the run's figures (``seconds``, ``out_tokens``, ``out_tok_s``,
@@ -149,7 +154,8 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
     adds the machine's floors (``qwen_npu.bench_floors``) and the decode probes' ratios to them.
     ``peer_dtype``: Hugging Face's dtype, ``auto`` (float32 unless torch's bf16 products are the
     faster here), ``float32``, ``bfloat16`` or ``both`` (then ``hf`` is the ``auto`` one and
-    ``hf_by_dtype`` holds both).
+    ``hf_by_dtype`` holds both). ``mixed_steps``: the Session option of that name (decode rows
+    and prefill chunks share steps; ``mixed_step_count``/``mixed_s`` count those steps).
     """
     from .session import Session
     if compare not in (None, "hf"):
@@ -174,7 +180,8 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     sess = Session.from_pretrained(path, device=device, max_batch=MAX_BATCH, max_model_len=MAX_MODEL_LEN,
-                                   kernels=kernels, prefix_cache=prefix_cache, num_blocks=num_blocks)
+                                   kernels=kernels, prefix_cache=prefix_cache, num_blocks=num_blocks,
+                                   mixed_steps=mixed_steps)
     load_s = time.perf_counter() - t0
     cfg = sess.config
     t0 = time.perf_counter()
@@ -193,7 +200,8 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
     result.update(peak_rss_bytes=_peak_rss(), load_s=round(load_s, 2), build_s=round(build_s, 2),
                   warmup_s=round(warmup_s, 2),
                   model=str(path), device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels,
-                  prefix_cache=cfg.prefix_cache, threads=torch.get_num_threads(), requests=len(work))
+                  prefix_cache=cfg.prefix_cache, mixed_steps=cfg.mixed_steps, threads=torch.get_num_threads(),
+                  requests=len(work))
     if sess.model.device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(sess.model.device)
     if floors and sess.model.device.type == "cpu":
@@ -242,6 +250,9 @@ def format_text(r: dict) -> str:
         f"  decode     {r['decode_steps']} steps in {r['decode_s']:.2f} s; median step at batch 16 in the "
         f"workload {ms(r['decode_ms_workload_b16'])}",
     ]
+    if r.get("mixed_steps"):
+        lines.append(f"  mixed      {r['mixed_step_count']} steps of decode rows + prefill chunks "
+                     f"({r['mixed_tokens']} tokens) in {r['mixed_s']:.2f} s")
     if "decode_ms_b1" in r:
         lines.append(f"  decode     per step at context {r['probe_context']}: batch 1 {ms(r['decode_ms_b1'])}, "
                      f"batch 16 {ms(r['decode_ms_b16'])}")
@@ -287,6 +298,8 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | npu[:N]")
     p.add_argument("--kernels", default="auto", help="auto | reference | cpu | npu")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--mixed-steps", action="store_true",
+                   help="decode rows and prefill chunks share steps (Session option mixed_steps)")
     p.add_argument("--no-probes", action="store_true", help="skip the batch-1 / batch-16 decode probes")
     p.set_defaults(handler=bench_command)
 
@@ -310,7 +323,8 @@ def bench_command(args) -> int:
     try:
         result = run_bench(work, model=args.model, compare=args.compare, device=args.device, kernels=args.kernels,
                            prefix_cache=not args.no_prefix_cache, probes=not args.no_probes,
-                           floors=not args.no_floors, peer_dtype=args.peer_dtype, log=log)
+                           floors=not args.no_floors, peer_dtype=args.peer_dtype,
+                           mixed_steps=args.mixed_steps, log=log)
     except InvalidRequestError as e:
         raise SystemExit(f"qwen-npu bench: {e}") from None
     print(json.dumps(result, separators=(",", ":")) if args.json else format_text(result), flush=True)

@@ -126,6 +126,7 @@ class SessionConfig:
     kernels: str = "reference"
     deterministic: bool = False     # one forward per token: results independent of batch and chunking
     sync_timings: bool = False      # end the prepare and forward phases at a device synchronisation
+    mixed_steps: bool = False       # step()/generate() put decode rows and prefill chunks in one forward
 
     @property
     def max_blocks_per_seq(self) -> int:

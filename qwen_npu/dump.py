@@ -74,6 +74,8 @@ def step_to_dict(step, *, logits_topk: int = 0) -> dict:
         "transfers": dict(step.transfers), "timings": {k: float(v) for k, v in step.timings.items()},
         "slot_problems": [str(p) for p in step.slot_problems],
     }
+    if getattr(step, "row_kinds", None):
+        d["row_kinds"] = list(step.row_kinds)
     if getattr(step, "block_size", None):
         d["block_size"] = int(step.block_size)
     if getattr(step, "cache_usage", None):
@@ -87,6 +89,7 @@ def session_meta(sess) -> dict:
     c, m = sess.config, sess.model_config
     return {"block_size": c.block_size, "num_blocks": c.num_blocks, "max_batch": c.max_batch,
             "chunk_size": c.chunk_size, "decode_padding": c.decode_padding, "slot_check": c.slot_check,
+            "mixed_steps": c.mixed_steps,
             "device": c.device, "dtype": c.dtype, "kernels": c.kernels,
             "model": str(sess.path) if sess.path else None, "num_layers": m.num_hidden_layers,
             "vocab_size": m.vocab_size}
@@ -131,6 +134,7 @@ class DumpStep:
     seq_lens: list[int] | None = None
     input_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    row_kinds: list[str] | None = None     # per row "decode" | "prefill" (always there for "mixed")
     raw: dict = dataclasses.field(default_factory=dict, repr=False)   # every field as stored
 
     @property
@@ -150,12 +154,19 @@ class DumpStep:
                 raise InvalidRequestError(f"{where}: step #{number} field {name!r} {why}")
         rows = len(d["block_tables"])
         qls = d.get("query_lens") or [1] * rows
+        kinds = d.get("row_kinds")
+        if d["kind"] == "mixed" and (not isinstance(kinds, list) or len(kinds) != rows):
+            raise InvalidRequestError(f"{where}: step #{number} is mixed but its row_kinds does not name "
+                                      f"the kind of each of its {rows} rows")
+        if kinds is not None and any(k not in ("decode", "prefill") for k in kinds):
+            raise InvalidRequestError(f"{where}: step #{number}: row_kinds holds {kinds!r}; "
+                                      f"each must be 'decode' or 'prefill'")
         return cls(kind=d["kind"], index=int(d.get("index", number)), slot_mapping=list(d["slot_mapping"]),
                    block_tables=[list(r) for r in d["block_tables"]], query_lens=list(qls),
                    num_active=int(d.get("num_active", rows)),
                    request_ids=list(d.get("request_ids") or range(rows)),
                    positions=d.get("positions"), seq_lens=d.get("seq_lens"), input_ids=d.get("input_ids"),
-                   token_ids=d.get("token_ids"), raw=d)
+                   token_ids=d.get("token_ids"), row_kinds=kinds, raw=d)
 
     def check(self, block_size: int, num_blocks: int | None = None) -> SlotReport:
         """``check_slot_mapping`` on this step (rows at and past ``num_active`` are padding)."""
@@ -166,7 +177,11 @@ class DumpStep:
     def summary(self) -> str:
         pad = f", {self.num_active} active" if self.num_active != self.batch_size else ""
         toks = "" if self.token_ids is None else f"; sampled {self.token_ids}"
-        return (f"step {self.index} ({self.kind}): {self.batch_size} rows{pad}, "
+        kind = self.kind
+        if self.kind == "mixed":
+            d = self.row_kinds.count("decode")
+            kind = f"mixed: {d} decode, {len(self.row_kinds) - d} prefill"
+        return (f"step {self.index} ({kind}): {self.batch_size} rows{pad}, "
                 f"{sum(self.query_lens)} tokens, "
                 f"requests {self.request_ids}{toks}")
 

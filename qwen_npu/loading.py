@@ -21,7 +21,8 @@ CPU_KV_BUDGET = 4 << 30     # default KV cache budget on the CPU, in bytes
 
 def load_session(path, *, device, dtype, max_batch, block_size, num_blocks, max_model_len, chunk_size,
                  prefix_cache, device_outputs, slot_check, decode_padding, kernels, kv_memory,
-                 deterministic, sync_timings=None) -> tuple[Qwen3Model, SessionConfig, Tokenizer | None]:
+                 deterministic, sync_timings=None,
+                 mixed_steps=False) -> tuple[Qwen3Model, SessionConfig, Tokenizer | None]:
     """Resolve the options of ``Session.from_pretrained`` and load the checkpoint at ``path``."""
     path = Path(path)
     if kv_memory is not None:
@@ -31,6 +32,8 @@ def load_session(path, *, device, dtype, max_batch, block_size, num_blocks, max_
     dev = devices.resolve_device(device)
     _check_choice("slot_check", slot_check, ("raise", "warn", "off"))
     _check_choice("decode_padding", decode_padding, ("runtime", "replicate"))
+    if not isinstance(mixed_steps, bool):
+        raise InvalidRequestError(f"Session.from_pretrained: mixed_steps={mixed_steps!r} must be True or False")
     for name, v in (("max_batch", max_batch), ("chunk_size", chunk_size)):
         if not isinstance(v, int) or v < 1:
             raise InvalidRequestError(f"Session.from_pretrained: {name}={v!r} must be an int >= 1")
@@ -55,7 +58,7 @@ def load_session(path, *, device, dtype, max_batch, block_size, num_blocks, max_
         block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=chunk_size,
         prefix_cache=bool(prefix_cache), device_outputs=bool(device_outputs), slot_check=slot_check,
         decode_padding=decode_padding, kernels=kernel_name, deterministic=bool(deterministic),
-        sync_timings=bool(sync_timings))
+        sync_timings=bool(sync_timings), mixed_steps=bool(mixed_steps))
     return model, config, Tokenizer.load(path)
 
 

@@ -1,7 +1,8 @@
 """Session: the stateful facade over one model, its paged KV cache and its requests.
 
     sess.add_request(prompt) ─> sess.prefill() ─> sess.sample() ─> sess.decode_step() ─> sess.sample() ...
-    sess.step()      = schedule + run + sample one step
+    sess.step()      = schedule + run + sample one step (mixed_steps=True: decode rows and
+                       prefill chunks in one forward)
     sess.generate()  = step() until the given prompts finish (continuous batching)
 
 Every step is a transaction (see ``engine/transaction.py``): it is planned on a draft, checked,
@@ -65,14 +66,15 @@ class Session(SessionSteps):
     def from_pretrained(cls, path, *, device="auto", dtype="auto", max_batch=16, block_size=None,
                         num_blocks=None, max_model_len=None, chunk_size=512, prefix_cache=True,
                         device_outputs=None, slot_check="raise", decode_padding="runtime",
-                        kernels="auto", kv_memory=None, deterministic=False, sync_timings=None) -> Session:
+                        kernels="auto", kv_memory=None, deterministic=False, sync_timings=None,
+                        mixed_steps=False) -> Session:
         """Load a Hugging Face Qwen3 checkpoint folder into a new Session (see the API docs)."""
         model, config, tokenizer = load_session(
             path, device=device, dtype=dtype, max_batch=max_batch, block_size=block_size,
             num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=chunk_size,
             prefix_cache=prefix_cache, device_outputs=device_outputs, slot_check=slot_check,
             decode_padding=decode_padding, kernels=kernels, kv_memory=kv_memory, deterministic=deterministic,
-            sync_timings=sync_timings)
+            sync_timings=sync_timings, mixed_steps=mixed_steps)
         return cls(model, config, path=Path(path), tokenizer=tokenizer)
 
     # ---- requests -----------------------------------------------------------------------------------

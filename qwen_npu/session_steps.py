@@ -151,15 +151,28 @@ class SessionSteps:
 
     @exclusive
     def step(self) -> StepResult:
-        """Schedule, run and sample one step: prefill when a prompt can make progress, else decode.
+        """Schedule, run and sample one step. Separate steps (the default): prefill when a prompt
+        can make progress, else decode. With ``mixed_steps=True``: decode rows first, then prefill
+        chunks in the rest of the token budget, in one forward (kind "mixed" when both are there).
         One transaction: forward and sampling commit together or not at all."""
         self._engine.collect_dropped()
         check_not_pending(self.last_step, "step", self._requests)
+        mixed = self.config.mixed_steps
 
         def plan(draft):
-            rows = self._scheduler.prefill_rows(
-                draft, self.requests, [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)])
+            cands = [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)]
+            if mixed:
+                return step_kind(self._scheduler.mixed_rows(draft, self.requests, cands))
+            rows = self._scheduler.prefill_rows(draft, self.requests, cands)
             if rows:
                 return "prefill", rows
             return "decode", [(r, 1) for r in self._scheduler.decode_rows(draft, self.requests)]
         return self._transact(plan, "step", sample=True)
+
+
+def step_kind(rows: list[tuple]) -> tuple[str, list[tuple]]:
+    """(kind, rows) for the rows of a mixed plan: "mixed" when decoding and prefilling rows share
+    the step, else the one kind they all have."""
+    decoding = sum(r.status == DECODING for r, _ in rows)
+    kind = "decode" if decoding == len(rows) else "prefill" if decoding == 0 else "mixed"
+    return kind, rows

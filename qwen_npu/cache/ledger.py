@@ -43,10 +43,13 @@ class SlotCollision:
     request_ids: tuple[int, ...]
     positions: tuple[int, ...]
     rows: tuple[int, ...] | None = None
+    kinds: tuple[str, ...] | None = None     # per write: its row's kind, "decode" | "prefill"
 
     def __str__(self) -> str:
         who = ", ".join(f"request {r} @ {p}" for r, p in zip(self.request_ids, self.positions))
         rows = f" (rows {', '.join(map(str, self.rows))})" if self.rows is not None else ""
+        if self.kinds is not None and len(set(self.kinds)) > 1:     # a mixed step's decode and prefill rows
+            rows += f" ({', '.join(self.kinds)})"
         return f"step {self.step}: slot {self.slot} written {len(self.positions)} times{rows}: {who}"
 
 
@@ -74,24 +77,30 @@ class SlotLedger:
         self.last_step: int | None = None
 
     def record(self, step: int, slots: Sequence[int], request_ids: Sequence[int],
-               positions: Sequence[int], rows: Sequence[int] | None = None) -> list[SlotCollision]:
+               positions: Sequence[int], rows: Sequence[int] | None = None,
+               kinds: Sequence[str] | None = None) -> list[SlotCollision]:
         """Record the tokens one step wrote, one entry per token in row order.
 
         `rows` (optional, one per token) names the batch row of each token for collision records.
         Returns the collisions found in this call (also kept in `collisions`).
         """
-        writes = self.prepare(step, slots, request_ids, positions, rows)
+        writes = self.prepare(step, slots, request_ids, positions, rows, kinds)
         self.apply(writes)
         return writes.collisions
 
     def prepare(self, step: int, slots: Sequence[int], request_ids: Sequence[int],
-                positions: Sequence[int], rows: Sequence[int] | None = None) -> LedgerWrites:
+                positions: Sequence[int], rows: Sequence[int] | None = None,
+                kinds: Sequence[str] | None = None) -> LedgerWrites:
         """What `record` would do, computed without changing the ledger (a step's commit phase
-        prepares first and then `apply`s, which cannot fail). Raises ValueError on bad input."""
+        prepares first and then `apply`s, which cannot fail). Raises ValueError on bad input.
+        `kinds` (optional, one per token): the kind of the token's row, "decode" or "prefill"
+        (a mixed step has both), kept in collision records."""
         n = len(slots)
-        if len(request_ids) != n or len(positions) != n or (rows is not None and len(rows) != n):
-            lens = (n, len(request_ids), len(positions), None if rows is None else len(rows))
-            raise ValueError(f"step {step}: slots, request_ids, positions, rows differ in length: {lens}")
+        if (len(request_ids) != n or len(positions) != n or (rows is not None and len(rows) != n)
+                or (kinds is not None and len(kinds) != n)):
+            lens = (n, len(request_ids), len(positions), None if rows is None else len(rows),
+                    None if kinds is None else len(kinds))
+            raise ValueError(f"step {step}: slots, request_ids, positions, rows, kinds differ in length: {lens}")
         seen: dict[int, int] = {}
         dups: dict[int, list[int]] = {}
         entries = []
@@ -109,7 +118,8 @@ class SlotLedger:
             entries.append((slot, (int(request_ids[i]), int(positions[i]), step)))
         found = [SlotCollision(step, slot, tuple(int(request_ids[i]) for i in idx),
                                tuple(int(positions[i]) for i in idx),
-                               None if rows is None else tuple(int(rows[i]) for i in idx))
+                               None if rows is None else tuple(int(rows[i]) for i in idx),
+                               None if kinds is None else tuple(str(kinds[i]) for i in idx))
                  for slot, idx in dups.items()]
         return LedgerWrites(step, entries, found)
 

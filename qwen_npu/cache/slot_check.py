@@ -24,6 +24,7 @@ from ..errors import SlotCollisionError
 from ..extensions import implementation
 from .ledger import SlotLedger
 
+KINDS = ("prefill", "decode", "mixed")   # a step's kind; a mixed step has decode and prefill rows
 CHECKS = ("duplicate", "padding_write", "beyond_cache", "outside_blocks", "wrong_slot", "shared_block",
           "live_overwrite")  # also the order problems are reported in
 
@@ -54,18 +55,31 @@ class StepWrites:
     """What one step is about to write, row by row (rows >= num_active are padding)."""
 
     step: int
-    kind: str                          # "prefill" | "decode"
+    kind: str                          # "prefill" | "decode" | "mixed"
     num_dispatched: int                # rows launched
     num_active: int                    # real rows; padding rows carry the request id they copied
     row_request_ids: list[int]         # [rows]
     row_positions: list[list[int]]     # [rows][tokens of the row]
     row_slots: list[list[int]]         # [rows][tokens of the row]
     row_block_tables: list[list[int]]  # [rows][blocks], may be -1 padded
+    # [rows] "decode" | "prefill"; () = every row of the step's kind (a "mixed" step must say)
+    row_kinds: Sequence[str] = ()
 
     def __post_init__(self):
-        if self.kind not in ("prefill", "decode"):
-            raise ValueError(f"step {self.step}: kind must be 'prefill' or 'decode', got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"step {self.step}: kind must be 'prefill', 'decode' or 'mixed', got {self.kind!r}")
         n, at = self.num_dispatched, f"step {self.step}"
+        if self.row_kinds or self.kind == "mixed":
+            if len(self.row_kinds) != n:
+                raise ValueError(f"{at}: row_kinds has {len(self.row_kinds)} rows, expected {n} "
+                                 f"(a mixed step names each row's kind)")
+            bad = [(r, k) for r, k in enumerate(self.row_kinds) if k not in ("decode", "prefill")
+                   or (self.kind != "mixed" and k != self.kind)]
+            if bad:
+                raise ValueError(f"{at} ({self.kind}): row {bad[0][0]} has kind {bad[0][1]!r}")
+        for r, k in enumerate(self.row_kinds):
+            if k == "decode" and len(self.row_slots[r]) != 1:
+                raise ValueError(f"{at}: row {r} is a decode row but writes {len(self.row_slots[r])} tokens")
         if not 0 <= self.num_active <= n:
             raise ValueError(f"{at}: num_active={self.num_active} not in 0..{n}")
         for name in ("row_request_ids", "row_positions", "row_slots", "row_block_tables"):
@@ -170,9 +184,14 @@ def check_step_writes(writes: StepWrites, *, block_size: int, num_blocks: int | 
     slots = [s for row in w.row_slots for s in row]
     pos = [p for row in w.row_positions for p in row]
     tok_rows = [r for r, row in enumerate(w.row_slots) for _ in row]
-    header = f"step {w.step} ({w.kind}, {n} row{'s' * (n != 1)} dispatched, {w.num_active} active): "
+    kind = w.kind
+    if w.kind == "mixed":
+        d = w.row_kinds[:w.num_active].count("decode")
+        kind = f"mixed: {d} decode, {w.num_active - d} prefill"
+    header = f"step {w.step} ({kind}, {n} row{'s' * (n != 1)} dispatched, {w.num_active} active): "
     return _find(header, slots, tok_rows, pos, w.row_block_tables, w.num_active, block_size, num_blocks,
-                 w.row_request_ids, ref_count, ledger, is_live)
+                 w.row_request_ids, ref_count, ledger, is_live,
+                 row_kinds=w.row_kinds if w.kind == "mixed" else None)
 
 
 def format_problems(problems: Sequence[SlotProblem]) -> str:
@@ -196,7 +215,7 @@ def raise_or_warn(problems: Sequence[SlotProblem], mode: str, *, stacklevel: int
 # ---------------------------------------------------------------------------------------------- core
 
 def _find(header, slots, tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req=None,
-          ref_count=None, ledger=None, is_live=None) -> list[SlotProblem]:
+          ref_count=None, ledger=None, is_live=None, row_kinds=None) -> list[SlotProblem]:
     """Walk the tokens once; collect token indices per (check, slot); describe only what was flagged."""
     hits: dict[tuple[str, int], list[int]] = {}
     seen: dict[int, int] = {}
@@ -245,12 +264,12 @@ def _find(header, slots, tok_rows, tok_pos, tables, num_active, bs, num_blocks, 
         return []
     order = {c: k for k, c in enumerate(CHECKS)}
     keys = sorted(hits, key=lambda k: (order[k[0]], hits[k][0]))
-    ctx = (header, tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req, refs, ledger)
+    ctx = (header, tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req, refs, ledger, row_kinds)
     return [_describe(check, s, hits[(check, s)], ctx) for check, s in keys]
 
 
 def _describe(check, slot, idx, ctx) -> SlotProblem:
-    header, tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req, refs, ledger = ctx
+    header, tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req, refs, ledger, row_kinds = ctx
     block, offset = divmod(slot, bs)
     limit = None if num_blocks is None else num_blocks * bs
     rows = tuple(sorted({tok_rows[i] for i in idx}))
@@ -260,6 +279,8 @@ def _describe(check, slot, idx, ctx) -> SlotProblem:
     who = f"row{'s' * many} {ranges_text(rows)}"
     if reqs:
         who += f" (request{'s' * (len(reqs) > 1)} {', '.join(map(str, reqs))})"
+    if row_kinds:                     # a mixed step: say which rows decode and which prefill
+        who += " [" + ", ".join(f"{row_kinds[r]} row {r}" for r in rows) + "]"
     s = "" if many else "s"
     where = f"slot {slot} (block {block}, offset {offset})"
     last = ledger.last(slot) if ledger is not None else None

@@ -32,7 +32,7 @@ import torch
 from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook
 from .buffers import OutputBuffer
-from .plan import StepPlan
+from .plan import StepPlan, buffer_set
 from .runner import ModelRunner
 
 
@@ -49,8 +49,8 @@ class TokenByTokenRunner(ModelRunner):
                  hook: Hook | None = None) -> tuple[OutputBuffer, OutputBuffer, int]:
         t0 = time.perf_counter()
         meta = self.fill(plan, transfers)
-        logits_buf, hidden_buf = self.outputs(plan.kind)
-        pre = "" if plan.kind == "decode" else "prefill."
+        logits_buf, hidden_buf = self.outputs(buffer_set(plan.kind))
+        pre = "" if buffer_set(plan.kind) == "decode" else "prefill."
         b, tokens, out_rows = self.buffers, plan.num_tokens, len(plan.logits_index)
         input_ids = b.view(pre + "input_ids", tokens)
         positions, slots, block_tables = meta.positions, meta.slot_mapping, meta.block_tables

@@ -28,7 +28,7 @@ from . import logprobs, sampler, stopping
 from .buffers import DispatchBuffers
 from .faults import FaultEmulator
 from .outputs import DeviceLogits, StepResult
-from .plan import StepPlan
+from .plan import StepPlan, buffer_set
 from .request import ABORTED, DECODING, FINISHED, Request
 from .commit import Commit, StreamHealthWarning  # noqa: F401 - re-exported
 from .deterministic import TokenByTokenRunner
@@ -114,7 +114,8 @@ class Engine:
         writes = self.ledger.prepare(plan.index, plan.slot_mapping,
                                      [r.request.id for r in plan.rows for _ in range(r.end - r.start)],
                                      plan.positions,
-                                     [i for i, r in enumerate(plan.rows) for _ in range(r.end - r.start)])
+                                     [i for i, r in enumerate(plan.rows) for _ in range(r.end - r.start)],
+                                     [r.phase for r in plan.rows for _ in range(r.end - r.start)])
         fault_point("booked")
         n_logits = len(plan.logits_rows)
         gen = logits_buf.generation + 1          # what the commit makes it
@@ -137,10 +138,11 @@ class Engine:
             host_logits=host_logits, hidden=hidden_buf.tensor[:n_logits] if n_logits else None,
             timings=timings, transfers=transfers, slot_problems=problems, block_size=self.config.block_size,
             cache_usage=usage,
-            row_preemptions=[r.request.num_preemptions for r in plan.rows[:plan.num_active]])
+            row_preemptions=[r.request.num_preemptions for r in plan.rows[:plan.num_active]],
+            row_kinds=plan.row_kinds)
         commit = Commit(self, draft)
         commit.ledger = writes
-        commit.outputs = plan.kind
+        commit.outputs = buffer_set(plan.kind)
         commit.step_index = plan.index
         return step, commit
 
@@ -152,7 +154,7 @@ class Engine:
         writes = StepWrites(
             plan.index, plan.kind, len(plan.rows), plan.num_active, plan.request_ids,
             [plan.positions[a:b] for _, a, b in rows], [plan.slot_mapping[a:b] for _, a, b in rows],
-            plan.block_tables)
+            plan.block_tables, row_kinds=plan.row_kinds)
         bs = self.config.block_size
         manager = draft.manager if draft is not None else self.manager
 

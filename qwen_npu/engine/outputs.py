@@ -83,7 +83,7 @@ class DeviceLogits:
 class StepResult:
     """One step: what was dispatched (host copies), its device logits and, once sampled, tokens."""
 
-    kind: str                       # "prefill" | "decode"
+    kind: str                       # "prefill" | "decode" | "mixed" (decode rows and prefill chunks)
     index: int                      # the session's step counter
     request_ids: list[int]          # one per dispatched row (padding rows repeat the copied id)
     batch_size: int                 # rows dispatched
@@ -108,6 +108,9 @@ class StepResult:
     # per active row: its request's num_preemptions when the step ran (a change between two steps of a
     # request means it was preempted in between and restarted with a new block table)
     row_preemptions: list = dataclasses.field(default_factory=list)
+    # per dispatched row: "decode" (one token of a decoding request) or "prefill" (a prompt chunk);
+    # a "mixed" step has both, the others one kind throughout
+    row_kinds: list = dataclasses.field(default_factory=list)
 
     @property
     def sampled(self) -> bool:

@@ -8,7 +8,17 @@ from __future__ import annotations
 import dataclasses
 
 from ..cache.block_table import slot_mapping
-from .request import Request
+from ..cache.slot_check import KINDS
+from .request import DECODING, Request
+
+# A step's kind (KINDS): every row decodes one token ("decode"), every row computes a prefill
+# chunk ("prefill"), or decode rows and prefill chunks share one forward ("mixed", ``mixed_steps=True``).
+
+
+def buffer_set(kind: str) -> str:
+    """The dispatch/output buffer set a step of ``kind`` uses: a mixed step has rows of many
+    tokens, so it runs through the prefill set (and the kernels' varlen prefill path)."""
+    return "decode" if kind == "decode" else "prefill"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +28,7 @@ class PlanRow:
     end: int              # one past the last position
     needs_logits: bool    # the row reaches the end of the request's known tokens
     padding: bool = False  # a replicate-padding row (copies row 0)
+    phase: str = "prefill"  # "decode": the row's request was decoding; "prefill": a prompt chunk
 
 
 @dataclasses.dataclass
@@ -40,6 +51,11 @@ class StepPlan:
         return [r.request.id for r in self.rows]
 
     @property
+    def row_kinds(self) -> list[str]:
+        """Per row: "decode" or "prefill" (a mixed step has both)."""
+        return [r.phase for r in self.rows]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
@@ -58,13 +74,16 @@ def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: d
     ``pad_to`` (decode only) reproduces the old fixed-batch runner: rows ``len(rows)..pad_to``
     copy row 0's token, position, block table and slot, and every row is dispatched.
     """
+    if kind not in KINDS:
+        raise ValueError(f"step kind must be one of {KINDS}, got {kind!r}")
     plan_rows: list[PlanRow] = []
     ids, pos, slots, qlens, slens, btabs, lidx, lrows = [], [], [], [], [], [], [], []
     for req, n in rows:
         start = req.num_computed_tokens
         end = start + n
         table = tables[req.id]
-        row = PlanRow(req, start, end, needs_logits=end == req.num_tokens)
+        phase = "decode" if kind == "decode" or (kind == "mixed" and req.status == DECODING) else "prefill"
+        row = PlanRow(req, start, end, needs_logits=end == req.num_tokens, phase=phase)
         plan_rows.append(row)
         ids += req.all_token_ids[start:end] if n > 1 else [req.all_token_ids[start]]
         pos += range(start, end)

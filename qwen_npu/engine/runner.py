@@ -21,7 +21,7 @@ from ..device import synchronize
 from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook, Qwen3Model
 from .buffers import DispatchBuffers, OutputBuffer
-from .plan import StepPlan
+from .plan import StepPlan, buffer_set
 
 
 class ModelRunner:
@@ -42,8 +42,8 @@ class ModelRunner:
         """Run the plan; returns (logits buffer, hidden buffer, rows written to them)."""
         t0 = time.perf_counter()
         meta = self.fill(plan, transfers)
-        logits_buf, hidden_buf = self.outputs(plan.kind)
-        pre = "" if plan.kind == "decode" else "prefill."
+        logits_buf, hidden_buf = self.outputs(buffer_set(plan.kind))
+        pre = "" if buffer_set(plan.kind) == "decode" else "prefill."
         b, out_rows = self.buffers, len(plan.logits_index)
         self.end_phase()
         t1 = time.perf_counter()
@@ -60,7 +60,7 @@ class ModelRunner:
     def fill(self, plan: StepPlan, transfers: dict) -> AttentionMetadata:
         """Copy the plan into rows [0, n) of its buffer set; returns metadata over views [:n]."""
         b = self.buffers
-        pre = "" if plan.kind == "decode" else "prefill."
+        pre = "" if buffer_set(plan.kind) == "decode" else "prefill."
         rows, tokens = len(plan.rows), plan.num_tokens
         width = max(len(t) for t in plan.block_tables) or 1
         tables = torch.tensor(pad_block_tables(plan.block_tables, width), dtype=torch.int32)  # [rows, width]

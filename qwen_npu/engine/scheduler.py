@@ -19,6 +19,14 @@ Policy (continuous batching with chunked prefill):
 * A waiting request that finds no room stops admission for the step (later arrivals must not
   overtake it), and so does a preemption (a request just preempted is not taken back in the same
   step); requests already prefilling still get their chunks.
+
+Mixed steps (``mixed_steps=True``, used by ``step()`` and ``generate()``): one step takes every
+decoding request first (one token each, as a decode step would, preempting the same way), then
+fills what is left of the ``chunk_size`` token budget with prefill chunks, planned as a prefill
+step would plan them (a preemption by a decode row stops admission for the step, as above). So
+running requests keep decoding while newcomers prefill. When the decode rows alone use the
+whole budget (more decoding requests than ``chunk_size`` tokens), the step is a plain decode step
+and newcomers wait until a running request finishes.
 """
 from __future__ import annotations
 
@@ -38,14 +46,20 @@ class Scheduler:
     def running(requests) -> list:
         return [r for r in requests if r.status in RUNNING]
 
-    def prefill_rows(self, draft: StepDraft, requests, candidates) -> list[tuple]:
-        """Admit and size the rows of a prefill step. May preempt (see module docstring)."""
+    def prefill_rows(self, draft: StepDraft, requests, candidates, *, rows: list[tuple] | None = None,
+                     admitting: bool = True) -> list[tuple]:
+        """Admit and size the rows of a prefill step. May preempt (see module docstring).
+
+        ``rows``: rows already planned for this step (a mixed step's decode rows), which use the
+        budget first and may be preempted like any running request newer than a prefilling one.
+        ``admitting``: False once a waiting request found no room or one was preempted (then no
+        waiting request is admitted in this step).
+        """
         requests, candidates = draft.all(requests), draft.all(candidates)
         manager = draft.manager
-        rows: list[tuple] = []
-        budget = self.chunk_size
+        rows = list(rows or [])
+        budget = self.chunk_size - sum(n for _, n in rows)
         num_running = len(self.running(requests))
-        admitting = True                     # False once a waiting request found no room or one was preempted
         for req in candidates:
             if len(rows) == self.max_batch or budget == 0:
                 break
@@ -78,6 +92,16 @@ class Scheduler:
             rows.append((req, n))
             budget -= n
         return rows
+
+    def mixed_rows(self, draft: StepDraft, requests, candidates) -> list[tuple]:
+        """The rows of a mixed step: every decode row, then prefill chunks in the budget left.
+        May preempt (see module docstring)."""
+        before = {r.id: draft.of(r).num_preemptions for r in requests}
+        rows = [(r, 1) for r in self.decode_rows(draft, requests)]
+        if len(rows) >= self.chunk_size:
+            return rows
+        preempted = any(draft.of(r).num_preemptions != before[r.id] for r in requests)
+        return self.prefill_rows(draft, requests, candidates, rows=rows, admitting=not preempted)
 
     @staticmethod
     def _computes_shared_prefix(manager, req, rows) -> bool:

@@ -249,6 +249,8 @@ def _collisions(ledger, faults, bs) -> list[str]:
     out = []
     for c in ledger.collisions:
         rows = f"rows {runs(c.rows)}" if c.rows is not None else f"{len(c.positions)} tokens"
+        if getattr(c, "kinds", None) is not None and len(set(c.kinds)) > 1:
+            rows += f" ({', '.join(c.kinds)}: a mixed step)"
         reqs = sorted(set(c.request_ids))
         who = ", ".join(f"request {r} @ {p}" for r, p in dict.fromkeys(zip(c.request_ids, c.positions)))
         text = (f"step {c.step}: {rows} (request{'s' * (len(reqs) > 1)} {', '.join(map(str, reqs))}) wrote slot "

@@ -109,9 +109,12 @@ def plot_rows_per_step(history, max_batch: int | None = None):
     x = [s.index for s in steps]
     active = [s.num_active for s in steps]
     padding = [s.batch_size - s.num_active for s in steps]
-    colors = ["#0969da" if s.kind == "prefill" else "#1a7f37" for s in steps]
+    palette = {"prefill": "#0969da", "decode": "#1a7f37", "mixed": "#8250df"}
+    colors = [palette.get(s.kind, "#1a7f37") for s in steps]
     ax.bar(x, active, color=colors)
     handles = [Patch(color="#0969da", label="prefill rows"), Patch(color="#1a7f37", label="decode rows")]
+    if any(s.kind == "mixed" for s in steps):
+        handles.append(Patch(color="#8250df", label="mixed steps (decode + prefill rows)"))
     padded = [i for i, n in enumerate(padding) if n]
     if padded:
         handles.append(ax.bar([x[i] for i in padded], [padding[i] for i in padded],

@@ -95,6 +95,11 @@ class StepSnapshot:
     slot_problems: tuple[str, ...]
     block_size: int | None
     cache_usage: tuple[tuple[str, int], ...] = ()
+    row_kinds: tuple[str, ...] = ()   # per row "decode" | "prefill" (a mixed step has both)
+
+    def row_kind(self, row: int) -> str:
+        """The kind of row ``row``: its own in a mixed step, else the step's."""
+        return self.row_kinds[row] if row < len(self.row_kinds) else self.kind
 
     @property
     def num_tokens(self) -> int:
@@ -208,7 +213,7 @@ def take_step(step, block_size: int | None = None) -> StepSnapshot:
         tuple((k, int(v)) for k, v in step.transfers.items()),
         tuple(f"request {rid}: {why}" for rid, why in getattr(step, "health", ())),
         tuple(str(p) for p in getattr(step, "slot_problems", ())), bs or None,
-        tuple((k, int(v)) for k, v in usage.items()))
+        tuple((k, int(v)) for k, v in usage.items()), tuple(getattr(step, "row_kinds", None) or ()))
 
 
 @provides("session.snapshot")

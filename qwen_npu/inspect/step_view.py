@@ -31,7 +31,15 @@ def _tokens_note(s: StepSnapshot) -> str:
 
 def _rows_note(s: StepSnapshot) -> str:
     pad = f" ({s.num_active} active, {s.batch_size - s.num_active} padding)" if s.num_active != s.batch_size else ""
+    if s.kind == "mixed":
+        d = sum(s.row_kind(r.row) == "decode" for r in s.rows)
+        pad = f" ({d} decode, {len(s.rows) - d} prefill)"
     return f"{s.batch_size} row{'s' * (s.batch_size != 1)}{pad}, {s.num_tokens} tokens"
+
+
+def _row_tag(s: StepSnapshot, r) -> str:
+    """" (decode)" / " (prefill)" after a row's request in a mixed step; nothing otherwise."""
+    return f" ({s.row_kind(r.row)})" if s.kind == "mixed" else ""
 
 
 def step_summary_text(s: StepSnapshot) -> str:
@@ -58,7 +66,8 @@ def _timings(s: StepSnapshot) -> str:
 @provides("step_text")
 def step_text(s: StepSnapshot) -> str:
     head = f"StepResult(step {s.index}, {s.kind}, {_rows_note(s)}; {_tokens_note(s)})"
-    rows = [(r.row, f"{r.request_id}{' (padding)' if r.padding else ''}", h.runs(r.positions), r.seq_len,
+    rows = [(r.row, f"{r.request_id}{' (padding)' if r.padding else ''}{_row_tag(s, r)}", h.runs(r.positions),
+             r.seq_len,
              h.runs(r.block_table) or "-", h.runs(r.slots), "" if r.token_id is None else r.token_id)
             for r in s.rows[:MAX_ROWS]]
     lines = [head, h.text_table(("row", "request", "positions", "seq_len", "block table", "slots", "token"),
@@ -87,6 +96,8 @@ def step_html(s: StepSnapshot) -> str:
     rows = []
     for r in s.rows[:MAX_ROWS]:
         who = h.request_chip(r.request_id) + (' <span style="color:#cf222e">padding</span>' if r.padding else "")
+        if s.kind == "mixed":
+            who += " " + h.muted(s.row_kind(r.row))
         token = h.muted("-") if r.token_id is None else h.esc(r.token_id)
         rows.append((str(r.row), who, h.esc(h.runs(r.positions) if len(r.positions) < 4
                                             else f"{r.positions[0]}..{r.positions[-1]}"),

@@ -44,10 +44,11 @@ class CaptureRecord:
     """What one request row of one step produced: ``tensor(name)`` is [tokens of the row, ...]."""
 
     step: int
-    kind: str
+    kind: str                               # the step's kind: "prefill" | "decode" | "mixed"
     request_id: int
     positions: dict[str, list[int]]
     chunks: dict[str, list[torch.Tensor]]
+    row_kind: str = ""                      # this row's: "decode" | "prefill" (differs only in a mixed step)
 
     def tensor(self, name: str) -> torch.Tensor:
         parts = self.chunks[name]
@@ -67,6 +68,7 @@ class CaptureSlice:
     positions: list[int]
     tensor: torch.Tensor                # [tokens, ...] (reduced; on the host with offload="host")
     event: object = None                # the pending host copy's event (offload="host" on a device)
+    row_kind: str = ""                  # the row's kind, "decode" | "prefill" (``kind`` is the step's)
 
     def wait(self) -> torch.Tensor:
         """The tensor once its host copy is complete (a no-op unless offloaded from a device)."""
@@ -198,6 +200,7 @@ class Capture(CaptureViews):
     def begin_step(self, plan) -> None:
         self._staged = _Staged()
         self._last = {row.request.id: row.end - 1 for row in plan.rows[:plan.num_active]}
+        self._row_kinds = {row.request.id: row.phase for row in plan.rows[:plan.num_active]}
 
     def on_tensor(self, plan, name: str, x: torch.Tensor, spans) -> None:
         chosen, picks = [], []
@@ -243,11 +246,12 @@ class Capture(CaptureViews):
                 part = part[..., :max(positions) + 1]
             if self.streams:
                 staged.slices.append(CaptureSlice(plan.index, plan.kind, s.request_id, name, positions, part,
-                                                  event))
+                                                  event, self._row_kinds.get(s.request_id, plan.kind)))
                 continue
             rec = staged.records.get((plan.index, s.request_id))
             if rec is None:
-                rec = CaptureRecord(plan.index, plan.kind, s.request_id, {}, {})
+                rec = CaptureRecord(plan.index, plan.kind, s.request_id, {}, {},
+                                    self._row_kinds.get(s.request_id, plan.kind))
                 staged.records[(plan.index, s.request_id)] = rec
             rec.chunks.setdefault(name, []).append(part)
             rec.positions.setdefault(name, []).extend(positions)

@@ -142,7 +142,8 @@ class CaptureViews:
             pos = next(iter(rec.positions.values()))
             first = rec.tensor(self.names[0]) if self.names[0] in rec.chunks else None
             shape = f" {self.names[0]} {list(first.shape)}" if first is not None else ""
-            lines.append(f"  step {rec.step} ({rec.kind}) request {rec.request_id}: positions "
+            kind = f"mixed, {rec.row_kind} row" if rec.kind == "mixed" else rec.kind
+            lines.append(f"  step {rec.step} ({kind}) request {rec.request_id}: positions "
                          f"{pos[0]}..{pos[-1]}{shape}")
         if len(self._records) > 8:
             lines.append(f"  ... and {len(self._records) - 8} more rows (see .records)")

@@ -78,3 +78,47 @@ def test_paged_logits_match_dense_hf(shapes, shape, block_size, chunk_size):
             n += 1
     print(f"parity {shape} block_size={block_size} chunk_size={chunk_size}: {n} rows, max|diff|={worst:.2e}")
     assert worst <= TOL
+
+
+def mixed_step_logits(path, prompts, block_size, chunk_size):
+    """Greedy runs with mixed steps: request 0 first, the others while it decodes. Returns
+    (logits by request and position, final token lists, the kinds of the steps)."""
+    sess = Session.from_pretrained(path, block_size=block_size, chunk_size=chunk_size, max_batch=4,
+                                   num_blocks=200, max_model_len=128, mixed_steps=True)
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    reqs = [sess.add_request(prompts[0], sampling)]
+    got, kinds = {}, []
+    for i in range(10_000):
+        if i == 2:
+            reqs += [sess.add_request(p, sampling) for p in prompts[1:]]
+        if i > 2 and all(r.is_done for r in reqs):
+            break
+        step = sess.step()
+        kinds.append(step.kind)
+        if step.logits is None:
+            continue
+        rows = step.logits.tensor.clone()
+        for j, rid in enumerate(step.logits_request_ids):
+            pos = sess.request(rid).num_tokens - 2       # the row's last position (step() sampled one more)
+            got.setdefault(rid, {})[pos] = rows[j]
+    return got, [r.all_token_ids for r in reqs], kinds
+
+
+@pytest.mark.parametrize("shape", ["default", "odd"])
+@pytest.mark.parametrize("chunk_size", [4, 512])
+def test_mixed_step_logits_match_dense_hf(shapes, shape, chunk_size):
+    path = shapes[shape]
+    cfg = __import__("json").loads((path / "config.json").read_text())
+    prompts = [s[:n] for s, n in zip(sequences(cfg["vocab_size"]), PROMPT_LENS)]
+    got, seqs, kinds = mixed_step_logits(path, prompts, 3, chunk_size)
+    assert "mixed" in kinds
+    ref = dense_logits(path, seqs)
+    worst, n = 0.0, 0
+    for rid, (seq, dense) in enumerate(zip(seqs, ref)):
+        plen = len(prompts[rid])
+        assert sorted(got[rid]) == list(range(plen - 1, len(seq) - 1))
+        for pos, row in got[rid].items():
+            worst = max(worst, (row - dense[pos]).abs().max().item())
+            n += 1
+    print(f"parity through mixed steps {shape} chunk_size={chunk_size}: {n} rows, max|diff|={worst:.2e}")
+    assert worst <= TOL

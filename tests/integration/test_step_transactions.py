@@ -74,6 +74,17 @@ def by_hand(sess):
     return [lambda s: s.prefill(), sample] * 3 + [lambda s: s.decode_step(), sample] * 2
 
 
+def mixed_steps(sess):
+    """mixed_steps=True: a newcomer prefills in the same forwards as a running request decodes."""
+    sess.add_request(P3, GREEDY)
+
+    def add_later(s):
+        if len(s.requests) == 1:
+            s.add_request(P1, SEEDED)               # adding commits at once: raise only after it
+            s.add_request(P2, UNSEEDED)
+    return [_step, _step, add_later] + _until_done(12)
+
+
 def with_capture(sess):
     cap = sess.capture(["layers.0.attn.k", "logits"])
     cap.__enter__()
@@ -87,6 +98,8 @@ SCENARIOS = {
     "prefix_hits": (prefix_hits, {}),
     "preemption": (preemption, dict(num_blocks=5, max_batch=2)),
     "by_hand": (by_hand, {}),
+    "mixed_steps": (mixed_steps, {"mixed_steps": True}),
+    "mixed_steps_preemption": (mixed_steps, {"mixed_steps": True, "num_blocks": 6, "prefix_cache": False}),
     "capture": (with_capture, {}),
 }
 
@@ -122,9 +135,9 @@ def sweep(sess, program, recorded, excs=(KeyboardInterrupt, Boom)):
     return made, covered
 
 
-def _reference(ckpt, scenario):
+def _reference(ckpt, scenario, **override):
     build, kw = SCENARIOS[scenario]
-    sess = open_tiny(ckpt, **kw)
+    sess = open_tiny(ckpt, **{**kw, **override})
     program = build(sess)
     recorded = []
     for action in program:
@@ -150,8 +163,11 @@ def test_a_fault_at_any_point_changes_nothing_and_the_run_continues_identically(
     points = {p.split("#")[0] for r in recorded for p in r}
     assert {"planned", "validated", "dispatched", "booked", "commit"} <= points
     assert any(p.startswith("fwd:layers.1.attn.z") for p in points)   # after the last layer's write_kv
-    if scenario == "preemption":
+    if scenario in ("preemption", "mixed_steps_preemption"):
         assert any(r.num_preemptions for r in sess.requests)
+    if scenario.startswith("mixed_steps"):
+        assert any(s.kind == "mixed" for s in sess.history)
+        assert tokens(sess) == _reference(tiny_ckpt_small_vocab, scenario, mixed_steps=False)[0]
     if scenario == "prefix_hits":
         assert sess.prefix_cache_stats.hit_blocks >= 2
 

@@ -7,6 +7,7 @@ where the set cannot run (no AVX2 or no C++ compiler).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -83,6 +84,32 @@ def test_paged_attention_long_context_and_wide_heads(dtype, gqa, head_dim):
     scale = head_dim ** -0.5
     out = cpu.paged_attention(query, kc, vc, meta, scale)
     torch.testing.assert_close(out.double(), naive_attention(query, rows, dense, gqa, scale), **TOL[dtype])
+
+
+MIXED_ROWS = [(20, 1), (0, 9), (47, 1), (6, 4), (3, 1)]    # a mixed step: decode rows among chunks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernels", [cpu, ref], ids=["cpu", "reference"])
+def test_a_mixed_step_through_the_prefill_path_matches_dense_and_the_decode_path(kernels, dtype):
+    """Rows of one token among prefill chunks (is_decode=False) attend to their whole context,
+    as the same rows do alone through the decode path."""
+    meta, query, kc, vc, dense, _ = build_case(MIXED_ROWS, 4, 2, 2, 16, dtype, seed=11)
+    assert not meta.is_decode
+    scale = 16 ** -0.5
+    out = kernels.paged_attention(query, kc, vc, meta, scale)
+    torch.testing.assert_close(out.double(), naive_attention(query, MIXED_ROWS, dense, 2, scale), **TOL[dtype])
+    starts = [0, *itertools.accumulate(q for _, q in MIXED_ROWS)]
+    decode_rows = [r for r, (_, q) in enumerate(MIXED_ROWS) if q == 1]
+    alone = dataclasses.replace(
+        meta, block_tables=meta.block_tables[decode_rows], seq_lens=meta.seq_lens[decode_rows],
+        positions=meta.positions[[starts[r] for r in decode_rows]],
+        slot_mapping=meta.slot_mapping[[starts[r] for r in decode_rows]],
+        query_start_loc=torch.arange(len(decode_rows) + 1, dtype=torch.int32),
+        query_lens_host=(1,) * len(decode_rows),
+        seq_lens_host=tuple(meta.seq_lens_host[r] for r in decode_rows), is_decode=True)
+    by_decode = kernels.paged_attention(query[[starts[r] for r in decode_rows]], kc, vc, alone, scale)
+    torch.testing.assert_close(out[[starts[r] for r in decode_rows]].double(), by_decode.double(), **TOL[dtype])
 
 
 @pytest.mark.parametrize("poison", [float("nan"), 1e30, float("inf")])
