@@ -19,44 +19,28 @@ from __future__ import annotations
 import types
 
 
+def _from_engine(name: str, doc: str | None = None) -> property:
+    """A read-only property: the session's engine itself (``"engine"``) or one of its attributes."""
+    if name == "engine":
+        return property(lambda self: self._sess._engine, doc=doc)
+    return property(lambda self: getattr(self._sess._engine, name), doc=doc)
+
+
 class SessionState:
     __slots__ = ("_sess",)
 
     def __init__(self, sess):
         self._sess = sess
 
-    @property
-    def engine(self):
-        """The engine (model runner, cache, ledger, hooks) this session runs on; shared by forks."""
-        return self._sess._engine
-
-    @property
-    def manager(self):
-        return self._sess._engine.manager
-
-    @property
-    def kv_cache(self):
-        return self._sess._engine.kv_cache
-
-    @property
-    def ledger(self):
-        return self._sess._engine.ledger
-
-    @property
-    def buffers(self):
-        return self._sess._engine.buffers
-
-    @property
-    def faults(self):
-        return self._sess._engine.faults
-
-    @property
-    def hook(self):
-        return self._sess._engine.hook
-
-    @property
-    def branches(self):
-        return self._sess._engine.branches
+    engine = _from_engine("engine", "The engine (model runner, cache, ledger, hooks) this session runs on; "
+                                    "shared by forks.")
+    manager = _from_engine("manager")
+    kv_cache = _from_engine("kv_cache")
+    ledger = _from_engine("ledger")
+    buffers = _from_engine("buffers")
+    faults = _from_engine("faults")
+    hook = _from_engine("hook")
+    branches = _from_engine("branches")
 
     @property
     def requests(self) -> types.MappingProxyType:

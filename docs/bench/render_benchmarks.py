@@ -3,17 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from render_floors import dtype_table, floors_lines, hf_by_dtype, user_dtype, vllm_by_dtype
+from render_floors import dtype_table, floors_lines, hf_by_dtype, ratio_text, user_dtype, vllm_by_dtype
 
 def _f(v, fmt="{:.1f}", none="–"):
     return none if v is None else fmt.format(v)
-
-
-def _ratio(peer, ours):
-    if not peer or not ours:
-        return "–"
-    r = peer["seconds"] / ours["seconds"]
-    return f"**{r:.2f}x faster**" if r >= 1 else f"{1 / r:.2f}x slower"
 
 
 def workload_table(res: dict) -> list[str]:
@@ -29,7 +22,7 @@ def workload_table(res: dict) -> list[str]:
 
         def cell(r):
             return f"{r['seconds']:.1f} s ({r['out_tok_s']:.1f} out tok/s)" if r else "not run"
-        lines.append(f"| `{w}`: {what} | {cell(o)} | {cell(v)} | {cell(hf)} | {_ratio(v, o)} | {_ratio(hf, o)} |")
+        lines.append(f"| `{w}`: {what} | {cell(o)} | {cell(v)} | {cell(hf)} | {ratio_text(v, o, bold=True)} | {ratio_text(hf, o, bold=True)} |")
     return lines
 
 

@@ -27,11 +27,12 @@ def user_dtype(res: dict) -> str | None:
     return None
 
 
-def _ratio(peer, ours):
+def ratio_text(peer, ours, bold: bool = False) -> str:
+    """Peer seconds over ours as "N.NNx faster" (bold on request) or "N.NNx slower"; "–" if missing."""
     if not peer or not ours:
         return "–"
     r = peer["seconds"] / ours["seconds"]
-    return f"{r:.2f}x faster" if r >= 1 else f"{1 / r:.2f}x slower"
+    return (f"**{r:.2f}x faster**" if bold else f"{r:.2f}x faster") if r >= 1 else f"{1 / r:.2f}x slower"
 
 
 def dtype_table(res: dict) -> list[str]:
@@ -48,7 +49,7 @@ def dtype_table(res: dict) -> list[str]:
              "|---|---|---|---|---|"]
     for w, name, dtype, run in sorted(rows, key=lambda r: (r[0], r[1])):
         seconds = f"{run['seconds']:.1f} s" if run else "not run"
-        lines.append(f"| `{w}` | {name} | {seconds} | {_ratio(run, ours.get(w))} | "
+        lines.append(f"| `{w}` | {name} | {seconds} | {ratio_text(run, ours.get(w))} | "
                      f"{'yes' if dtype == user else 'no'} |")
     return lines
 
