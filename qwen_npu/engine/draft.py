@@ -75,10 +75,17 @@ class StepDraft:
 
     def __init__(self, manager, requests: dict[int, Request]):
         self.live_manager = manager
-        self.manager = manager.clone()
+        self._manager = None             # cloned on first use: a step that touches no block copies nothing
         self.requests = requests
         self.drafts: dict[int, RequestDraft] = {}
         self.generators: dict[int, torch.Generator] = {}     # copies that replace the live ones
+
+    @property
+    def manager(self):
+        """The step's clone of the cache manager (made on first use)."""
+        if self._manager is None:
+            self._manager = self.live_manager.clone()
+        return self._manager
 
     def of(self, req) -> RequestDraft:
         if isinstance(req, RequestDraft):
@@ -89,7 +96,13 @@ class StepDraft:
         return d
 
     def all(self, reqs) -> list[RequestDraft]:
-        return [self.of(r) for r in reqs]
+        """Drafts of the requests that are not done (a finished or aborted request never changes)."""
+        out = []
+        for r in reqs:
+            seen = r if isinstance(r, RequestDraft) else self.drafts.get(r.id, r)
+            if not seen.is_done:
+                out.append(self.of(r))
+        return out
 
     def generator(self, rid: int, live: dict[int, torch.Generator]) -> torch.Generator | None:
         """A private copy of request ``rid``'s generator (None for a greedy request)."""
@@ -106,7 +119,8 @@ class StepDraft:
 
     def apply(self, generators: dict[int, torch.Generator]) -> None:
         """Publish every staged change: plain assignments only (no call here can raise)."""
-        self.live_manager.adopt(self.manager)
+        if self._manager is not None:
+            self.live_manager.adopt(self._manager)
         for d in self.drafts.values():
             req = d.request
             for name in FIELDS:
