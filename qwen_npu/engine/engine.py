@@ -233,11 +233,6 @@ class Engine:
         with deferred_interrupts():
             draft.apply({})
 
-    def new_request_id(self) -> int:
-        rid = self.next_request_id
-        self.next_request_id += 1
-        return rid
-
     def reset(self) -> None:
         self.dropped.clear()
         self.next_request_id = 0

@@ -123,7 +123,7 @@ class StepGuard:
                 self._report(index, snapshot, late=False)
             return
         # accelerator: keep what the description needs, read the verdict back without waiting
-        snapshot = (_frozen(step, n), n, holders)
+        snapshot = (_frozen(step, tables), n, holders)
         flag = torch.empty((), dtype=torch.bool, pin_memory=True)
         flag.copy_(mask.any(), non_blocking=True)
         event = getattr(torch, dev.type).Event()
@@ -210,10 +210,11 @@ def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
-def _frozen(step: StepInputs, n: int) -> StepInputs:
-    """A copy the engine cannot overwrite before the verdict is read (device clones, host copies)."""
+def _frozen(step: StepInputs, tables: torch.Tensor) -> StepInputs:
+    """A copy the engine cannot overwrite before the verdict is read (device clones, host copies);
+    ``tables``: the block-table columns some row holds (all the description reads)."""
     rows = len(step.request_ids)
     return StepInputs(list(step.request_ids), np.array(step.query_start_loc[:rows + 1]),
                       step.slot_mapping.clone(), step.positions[:step.slot_mapping.shape[0]].clone(),
-                      step.block_tables[:rows].clone(), np.array(step.blocks_per_row[:rows]),
+                      tables.clone(), np.array(step.blocks_per_row[:rows]),
                       step.block_size, step.num_blocks)

@@ -174,6 +174,7 @@ class StepHook:
 
     def __init__(self, plan, entries):
         self.plan = plan
+        self.entries = entries
         self.by_name: dict[str, list] = {}
         for e in entries:
             for name in e.names:
@@ -189,10 +190,9 @@ class StepHook:
         """Requests whose K/V this step computed under an edit (id -> why): the step books them
         as private on its draft, so their blocks are never published to the prefix cache."""
         out: dict[int, str] = {}
-        for entries in self.by_name.values():
-            for e in entries:
-                for rid, why in getattr(e, "staged_private", {}).items():
-                    out.setdefault(rid, why)
+        for e in self.entries:
+            for rid, why in getattr(e, "staged_private", {}).items():
+                out.setdefault(rid, why)
         return out
 
     def wants(self, name: str) -> bool:

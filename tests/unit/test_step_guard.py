@@ -170,7 +170,7 @@ def test_a_device_verdict_is_reported_one_step_late(monkeypatch):
     bad, n = good_step()
     bad.slot_mapping[3] = bad.slot_mapping[0]
     flag = torch.tensor(True)
-    guard._pending.append(sg._Pending(7, flag, _DoneEvent(), (sg._frozen(bad, n), n,
+    guard._pending.append(sg._Pending(7, flag, _DoneEvent(), (sg._frozen(bad, bad.block_tables[:len(bad.request_ids)]), n,
                                                               torch.zeros(NUM_BLOCKS, dtype=torch.int32))))
     bad.slot_mapping[3] = 99                                  # the engine reuses its buffer
     guard.check(good_step()[0])                               # not complete yet: nothing reported
