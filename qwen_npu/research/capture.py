@@ -172,14 +172,12 @@ class Capture(CaptureViews):
         return p in self.absolute_positions
 
     def prefix_limit(self, request_id: int) -> int | None:
-        if not hooks.wants_request(self, request_id) or self.position_filter in ("last", "generated"):
+        if self.position_filter in ("last", "generated"):
             return None
-        return min(self.absolute_positions) if self.absolute_positions else 0
+        return hooks.recompute_from(self, request_id)
 
     def check_step(self, plan) -> None:
-        seen = {rid: set(ps) for rid, ps in self._seen.items()}
-        hooks.check_step(self, plan, seen, "capture names")
-        self._staged_seen = seen
+        self._staged_seen = hooks.staged_seen(self, plan, "capture names")
         self._fold()
         if self.budget is None or self.streams:
             return

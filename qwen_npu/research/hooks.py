@@ -99,12 +99,23 @@ def wants_request(entry, request_id: int) -> bool:
     return request_id in entry._sess.state.requests if wanted is None else request_id in wanted
 
 
-def check_step(entry, plan, seen: dict[int, set[int]], what: str) -> None:
-    """Refuse ``plan`` when ``entry`` names absolute positions that a row's request computed
-    before and never showed to it (they are in the cache and will not be computed again)."""
+def recompute_from(entry, request_id: int) -> int | None:
+    """The first position ``entry`` needs computed for a request admitted now (its prefix-cache
+    cap), or None when it does not look at the request."""
+    if not wants_request(entry, request_id):
+        return None
+    return min(entry.absolute_positions) if entry.absolute_positions else 0
+
+
+def staged_seen(entry, plan, what: str) -> dict[int, set[int]]:
+    """``entry._seen`` as it will be once ``plan`` commits: which of its chosen positions each
+    request has computed in the block. Refuses ``plan`` (changing nothing) when ``entry`` names
+    absolute positions a row's request computed before and never showed to it (they are in the
+    cache and will not be computed again)."""
+    seen = {rid: set(ps) for rid, ps in entry._seen.items()}
     wanted = entry.absolute_positions
     if wanted is None:
-        return
+        return seen
     for row in plan.rows[:plan.num_active]:
         rid = row.request.id
         if not wants_request(entry, rid):
@@ -119,6 +130,7 @@ def check_step(entry, plan, seen: dict[int, set[int]], what: str) -> None:
                 f"recomputes them), open the session with prefix_cache=False if they came from the cache, "
                 f"or pass requests=[...] without request {rid}")
         seen.setdefault(rid, set()).update(p for p in wanted if row.start <= p < row.end)
+    return seen
 
 
 class HookSet:

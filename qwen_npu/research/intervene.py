@@ -73,15 +73,11 @@ class Intervention:
         return self.positions
 
     def check_step(self, plan) -> None:
-        seen = {rid: set(ps) for rid, ps in self._seen.items()}
-        hooks.check_step(self, plan, seen, f"intervene({', '.join(self.names[:2])}) names")
-        self._staged_seen = seen
+        self._staged_seen = hooks.staged_seen(self, plan, f"intervene({', '.join(self.names[:2])}) names")
 
     def prefix_limit(self, request_id: int) -> int | None:
         """Recompute every position this edit covers (see module docstring)."""
-        if not hooks.wants_request(self, request_id):
-            return None
-        return min(self.positions) if self.positions else 0
+        return hooks.recompute_from(self, request_id)
 
     def __enter__(self) -> Intervention:
         hooks.attach(self._sess.state.engine, self)
