@@ -272,11 +272,19 @@ def format_text(r: dict) -> str:
     if "hf" in r:
         hf = r["hf"]
         for dtype, run in r.get("hf_by_dtype", {hf.get("dtype", "?"): hf}).items():
-            ratio = run["seconds"] / r["seconds"]
-            verdict = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+            verdict = ratio_text(run, r)
             lines.append(f"  vs hf      generate in {dtype} (groups of 16, left padding, static cache): "
                          f"{run['seconds']:.2f} s, {run['out_tok_s']:.1f} output tok/s -> qwen-npu is {verdict}")
     return "\n".join(lines)
+
+
+def ratio_text(peer: dict | None, ours: dict | None, bold: bool = False) -> str:
+    """A peer's seconds over ours as "N.NNx faster" (bold in Markdown on request) or "N.NNx slower";
+    "–" when either run is missing."""
+    if not peer or not ours:
+        return "–"
+    r = peer["seconds"] / ours["seconds"]
+    return (f"**{r:.2f}x faster**" if bold else f"{r:.2f}x faster") if r >= 1 else f"{1 / r:.2f}x slower"
 
 
 def add_bench_parser(subparsers) -> None:

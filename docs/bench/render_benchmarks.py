@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from render_floors import dtype_table, floors_lines, hf_by_dtype, ratio_text, user_dtype, vllm_by_dtype
+from render_floors import dtype_table, floors_lines, hf_by_dtype, user_dtype, vllm_by_dtype
+
+from qwen_npu.bench import ratio_text
+
 
 def _f(v, fmt="{:.1f}", none="–"):
     return none if v is None else fmt.format(v)

@@ -1,6 +1,8 @@
 """The peers by dtype and the machine's floors, for docs/benchmarks.md (see render_benchmarks.py)."""
 from __future__ import annotations
 
+from qwen_npu.bench import ratio_text
+
 
 def vllm_by_dtype(res: dict) -> dict:
     """{dtype: {workload: run}}; results of the older layout (one bf16 run per workload) included."""
@@ -25,14 +27,6 @@ def user_dtype(res: dict) -> str | None:
         if run.get("floors", {}).get("peer_dtype"):
             return run["floors"]["peer_dtype"]
     return None
-
-
-def ratio_text(peer, ours, bold: bool = False) -> str:
-    """Peer seconds over ours as "N.NNx faster" (bold on request) or "N.NNx slower"; "–" if missing."""
-    if not peer or not ours:
-        return "–"
-    r = peer["seconds"] / ours["seconds"]
-    return (f"**{r:.2f}x faster**" if bold else f"{r:.2f}x faster") if r >= 1 else f"{1 / r:.2f}x slower"
 
 
 def dtype_table(res: dict) -> list[str]:
