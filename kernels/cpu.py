@@ -39,8 +39,7 @@ is made, or ahead of time with ``qwen-npu build-kernels`` / ``qwen_npu.build_ker
 build is cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a
 folder named after a hash of the sources, flags, torch and Python versions, so an edited source is
 rebuilt and never mixed with an old build. ``availability()`` says whether this machine can build
-the set; ``kernels="auto"`` picks it where it can and the CPU has no native bf16
-(``kernels/cpu_choice.py``).
+the set; ``kernels="auto"`` picks it wherever it can (``kernels/cpu_choice.py``).
 """
 from __future__ import annotations
 
