@@ -20,7 +20,7 @@ from .testing import tiny_trained_qwen3
 
 PROMPTS = [
     "music means",
-    "a river in",
+    "an animal that",
     ("the capital of the state, a large city on the shore of a lake with a busy port and an old "
      "university, is a large city in the north of"),
 ]

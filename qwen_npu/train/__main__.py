@@ -24,9 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--repeat-rows", type=int, default=d.repeat_rows,
-                   help="rows per batch that repeat their first half (teaches induction heads)")
+    p.add_argument("--copy-rows", type=int, default=d.copy_rows,
+                   help="rows per batch made of random tokens repeated (teaches induction heads)")
+    p.add_argument("--init", help="continue from this checkpoint (its weights and tokenizer)")
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--bf16-autocast", action="store_true", help="bf16 matmuls, fp32 weights")
     p.add_argument("--hidden-size", type=int, default=d.shape.hidden_size)
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                       intermediate_size=a.intermediate_size,
                       head_dim=a.hidden_size // TinyShape.num_attention_heads)
     cfg = TrainConfig(seed=a.seed, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
-                      repeat_rows=a.repeat_rows, lr=a.lr,
+                      copy_rows=a.copy_rows, init=a.init, lr=a.lr, warmup_steps=a.warmup_steps,
                       threads=a.threads, bf16_autocast=a.bf16_autocast, shape=shape)
     fetch_wordnet(a.wordnet)
     train_tiny(a.wordnet, a.out, cfg, log=lambda s: print(s, flush=True))

@@ -24,20 +24,39 @@ def wordnet_licence(data_dir: str | Path) -> str:
     return "\n".join("" if line == "." else line for line in lines).strip()
 
 
+def stage_lines(report: dict) -> str:
+    """One line per training stage of ``report`` (earlier stages first)."""
+    lines = []
+    for i, st in enumerate([*report.get("stages", []), report], 1):
+        c = st["config"]
+        copy = f", {c['copy_rows']} of them copy rows" if c.get("copy_rows") else ""
+        lines.append(f"{i}. seed {c['seed']}, {c['steps']} steps of {c['batch_size']} x {c['seq_len']} tokens{copy}, "
+                     f"peak learning rate {c['lr']:g}: {st['train_seconds']:.0f} s")
+    return "\n".join(lines)
+
+
 def write_model_card(out: str | Path, report: dict, licence: str) -> Path:
     """Write ``out/README.md`` from a training report and the WordNet licence text."""
     loss, ppl = report["held_out_loss"], report["held_out_perplexity"]
+    heads = report.get("heads")
+    head_text = "" if heads is None else (
+        f"Best induction head: layer {heads['induction']['layer']}, head {heads['induction']['head']} "
+        f"(score {heads['induction']['score']:.2f}); best previous-token head: layer "
+        f"{heads['previous_token']['layer']}, head {heads['previous_token']['head']} "
+        f"(score {heads['previous_token']['score']:.2f}).\n")
     card = f"""# tiny-qwen3-wordnet
 
 A {report['parameters'] / 1e6:.1f}M-parameter Qwen3 (`Qwen3ForCausalLM`) trained from scratch on the
-definitions and example sentences of WordNet 3.0 by `python -m qwen_npu.train` (seed
-{report['config']['seed']}, {report['config']['steps']} steps of {report['config']['batch_size']} x
-{report['config']['seq_len']} tokens, {report['train_seconds']:.0f} s on a shared 2-core CPU). It
-writes short English phrases; it knows nothing reliable about the world.
+definitions and example sentences of WordNet 3.0 by `python -m qwen_npu.train`, on a shared 2-core
+CPU, in these stages:
+
+{stage_lines(report)}
+
+It writes short English phrases; it knows nothing reliable about the world.
 
 Held-out loss (nats per token): trained {loss['trained']:.3f} (perplexity {ppl['trained']:.1f}),
 unigram baseline {loss['unigram']:.3f} ({ppl['unigram']:.1f}), untrained {loss['untrained']:.3f}
-({ppl['untrained']:.1f}). Details: `training_report.json` and `docs/tiny-model.md` of qwen-npu.
+({ppl['untrained']:.1f}). {head_text}Details: `training_report.json` and `docs/tiny-model.md` of qwen-npu.
 
 ## Training data licence
 

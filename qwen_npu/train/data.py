@@ -13,6 +13,7 @@ import random
 import torch
 
 CHAT_FRACTION = 0.1
+IGNORE = -100                 # a target left out of the loss (torch's cross_entropy ignore_index)
 
 
 def as_chat(paragraph: str) -> str | None:
@@ -48,35 +49,49 @@ def token_stream(tok, paragraphs: list[str], separator_id: int) -> torch.Tensor:
 class Batches:
     """Random windows of ``seq_len + 1`` tokens from ``stream``, drawn by one seeded generator.
 
-    The first ``repeat_rows`` rows of every batch are *repeated* windows: half a window of text,
-    then the same half again (``w w``), so the second half is predictable only by looking back
-    at what followed each token the first time. That is the job of an induction head, and these
-    rows make one form within a CPU-sized training run.
+    The first ``copy_rows`` rows of every batch are *copy* rows instead: a sequence of random
+    ordinary tokens (ids ``copy_ids[0]`` up to ``copy_ids[1] - 1``, ``copy_len[0]`` to
+    ``copy_len[1]`` long) repeated to fill the window. After its first copy every token of such a
+    row is predictable only by looking back at what followed the same token the last time, the
+    job of an induction head; text alone did not grow one in a CPU-sized run. The targets of a copy
+    row's first copy are ``IGNORE`` (left out of the loss): they are random, and learning to
+    predict them would teach the model that odd tokens are followed by a uniform guess, which
+    turns sampled text into word salad after one unlucky token.
     """
 
     def __init__(self, stream: torch.Tensor, *, batch_size: int, seq_len: int, seed: int,
-                 repeat_rows: int = 0):
+                 copy_rows: int = 0, copy_ids: tuple[int, int] = (0, 0), copy_len: tuple[int, int] = (6, 32)):
         if stream.numel() <= seq_len + 1:
             raise ValueError(f"token stream of {stream.numel()} ids is too short for seq_len={seq_len}")
-        if not 0 <= repeat_rows <= batch_size:
-            raise ValueError(f"repeat_rows={repeat_rows}: choose 0..batch_size ({batch_size})")
+        if not 0 <= copy_rows <= batch_size:
+            raise ValueError(f"copy_rows={copy_rows}: choose 0..batch_size ({batch_size})")
+        if copy_rows and not 0 <= copy_ids[0] < copy_ids[1]:
+            raise ValueError(f"copy_ids={copy_ids}: need 0 <= first < end for the copy rows' tokens")
+        if copy_rows and not 1 <= copy_len[0] <= copy_len[1] <= seq_len:
+            raise ValueError(f"copy_len={copy_len}: need 1 <= shortest <= longest <= seq_len ({seq_len})")
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
-        self.repeat_rows = repeat_rows
+        self.copy_rows, self.copy_ids, self.copy_len = copy_rows, copy_ids, copy_len
         self.gen = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``, each ``[batch_size, seq_len]``; targets are inputs shifted by one."""
+        """``(inputs, targets)``, each ``[batch_size, seq_len]``; targets are inputs shifted by one
+        (``IGNORE`` on a copy row's first copy)."""
         starts = torch.randint(0, self.stream.numel() - self.seq_len - 1, (self.batch_size,),
                                generator=self.gen)
-        half = (self.seq_len + 1) // 2
-        rows = []
+        rows, first_copy = [], []
         for i, s in enumerate(starts.tolist()):
             window = self.stream[s:s + self.seq_len + 1]
-            if i < self.repeat_rows:
-                window = torch.cat([window[:half], window[:half], window[half:]])[:self.seq_len + 1]
+            if i < self.copy_rows:
+                n = int(torch.randint(self.copy_len[0], self.copy_len[1] + 1, (1,), generator=self.gen))
+                seq = torch.randint(*self.copy_ids, (n,), generator=self.gen)
+                window = seq.repeat(-(-(self.seq_len + 1) // n))[:self.seq_len + 1]
+                first_copy.append((i, n - 1))
             rows.append(window)
         rows = torch.stack(rows)
-        return rows[:, :-1], rows[:, 1:]
+        targets = rows[:, 1:].clone()
+        for i, n in first_copy:
+            targets[i, :n] = IGNORE
+        return rows[:, :-1], targets
 
 
 def eval_windows(stream: torch.Tensor, seq_len: int, max_windows: int) -> torch.Tensor:

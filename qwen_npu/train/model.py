@@ -41,6 +41,13 @@ def build_model(config: dict, seed: int):
     return model
 
 
+def load_model(path: str | Path):
+    """(the ``Qwen3ForCausalLM`` saved at ``path`` in float32, its ``config.json`` as a dict)."""
+    from transformers import Qwen3ForCausalLM
+    model = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model, json.loads((Path(path) / "config.json").read_text())
+
+
 def num_parameters(model) -> int:
     """Distinct parameters (the tied embedding counted once)."""
     return sum(p.numel() for p in model.parameters())

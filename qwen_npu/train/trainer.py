@@ -4,6 +4,11 @@ Everything random (paragraph order, chat samples, initial weights, batch windows
 ``seed``, so the same seed, torch version and thread count give the same weights.
 ``train_tiny`` writes a complete checkpoint folder (weights, config, tokenizer, chat template) and
 a ``training_report.json`` with the numbers measured on the held-out split.
+
+With ``init`` set, training continues from a checkpoint this script wrote (its weights and its
+tokenizer; a fresh optimiser and learning-rate schedule), which is how the shipped model got its
+induction head: a text-only stage, then a stage with copy rows (``data.Batches``). The report
+keeps the earlier stages' figures under ``stages``.
 """
 from __future__ import annotations
 
@@ -18,8 +23,8 @@ import torch
 from . import data, evaluate
 from .card import wordnet_licence, write_model_card
 from .corpus import load_corpus
-from .model import TinyShape, build_model, config_dict, num_parameters, save_checkpoint
-from .tokenizer import EOS_TOKEN, PAD_TOKEN, qwen3_chat_template, save_tokenizer, train_tokenizer
+from .model import TinyShape, build_model, config_dict, load_model, num_parameters, save_checkpoint
+from .tokenizer import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, qwen3_chat_template, save_tokenizer, train_tokenizer
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,9 @@ class TrainConfig:
     seed: int = 0
     steps: int = 2000
     batch_size: int = 8
-    repeat_rows: int = 0          # rows per batch that repeat their first half (see data.Batches)
+    copy_rows: int = 0            # rows per batch that repeat random tokens (see data.Batches)
+    copy_len: tuple[int, int] = (6, 32)
+    init: str | None = None       # continue from this checkpoint (weights and tokenizer)
     seq_len: int = 128
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -58,7 +65,13 @@ def train_tiny(wordnet_dir: str | Path, out_dir: str | Path, cfg: TrainConfig = 
     log(f"corpus: {len(corpus.train)} train / {len(corpus.val)} held-out paragraphs, "
         f"{corpus.num_bytes / 1e6:.1f} MB, from {corpus.source}")
 
-    tok = train_tokenizer(train_texts, vocab_size=cfg.shape.vocab_size)
+    earlier = None
+    if cfg.init:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(Path(cfg.init) / "tokenizer.json"))
+        earlier = json.loads((Path(cfg.init) / "training_report.json").read_text())
+    else:
+        tok = train_tokenizer(train_texts, vocab_size=cfg.shape.vocab_size)
     pad_id, eos_id = tok.token_to_id(PAD_TOKEN), tok.token_to_id(EOS_TOKEN)
     train_stream = data.token_stream(tok, train_texts, pad_id)
     val_stream = data.token_stream(tok, corpus.val, pad_id)
@@ -66,18 +79,25 @@ def train_tiny(wordnet_dir: str | Path, out_dir: str | Path, cfg: TrainConfig = 
         f"({time.perf_counter() - t_start:.0f} s)")
 
     config = config_dict(cfg.shape, pad_id=pad_id, eos_id=eos_id)
-    model = build_model(config, cfg.seed)
     windows = data.eval_windows(val_stream, cfg.seq_len, cfg.eval_windows)
-    untrained = evaluate.model_loss(model, windows)
-    unigram = evaluate.unigram_loss(train_stream, windows, cfg.shape.vocab_size)
-    log(f"{num_parameters(model)} parameters; held-out loss untrained {untrained:.3f}, unigram {unigram:.3f}")
+    if earlier is None:
+        model = build_model(config, cfg.seed)
+        untrained = start_loss = evaluate.model_loss(model, windows)
+    else:
+        model, config = load_model(cfg.init)
+        untrained, start_loss = earlier["held_out_loss"]["untrained"], evaluate.model_loss(model, windows)
+    vocab = config["vocab_size"]
+    unigram = evaluate.unigram_loss(train_stream, windows, vocab)
+    probe = dict(pad_id=pad_id, first_id=len(SPECIAL_TOKENS), vocab_size=vocab)
+    log(f"{num_parameters(model)} parameters; held-out loss at the start {start_loss:.3f}, "
+        f"untrained {untrained:.3f}, unigram {unigram:.3f}")
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     batches = data.Batches(train_stream, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
-                           repeat_rows=cfg.repeat_rows)
+                           copy_rows=cfg.copy_rows, copy_ids=(len(SPECIAL_TOKENS), vocab), copy_len=cfg.copy_len)
     model.train()
     t_train = time.perf_counter()
     running = None
@@ -88,7 +108,7 @@ def train_tiny(wordnet_dir: str | Path, out_dir: str | Path, cfg: TrainConfig = 
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
             logits = model(input_ids=inputs).logits
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                 targets.reshape(-1))
+                                                 targets.reshape(-1), ignore_index=data.IGNORE)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -98,8 +118,12 @@ def train_tiny(wordnet_dir: str | Path, out_dir: str | Path, cfg: TrainConfig = 
             elapsed = time.perf_counter() - t_train
             log(f"step {step:5d}  loss {running:.3f}  lr {learning_rate(cfg, step):.2e}  "
                 f"{(step + 1) * cfg.batch_size * cfg.seq_len / elapsed:.0f} tokens/s  {elapsed:.0f} s")
+        if cfg.copy_rows and step % 500 == 0:
+            ind = evaluate.induction(model, **probe)["induction"]
+            log(f"           best induction head: layer {ind['layer']} head {ind['head']} score {ind['score']:.2f}")
     train_seconds = time.perf_counter() - t_train
     val = evaluate.model_loss(model, windows)
+    heads = evaluate.induction(model, **probe)
 
     out = save_checkpoint(model, config, out_dir, eos_ids=[eos_id, pad_id], pad_id=pad_id)
     save_tokenizer(tok, out, qwen3_chat_template())
@@ -112,14 +136,23 @@ def train_tiny(wordnet_dir: str | Path, out_dir: str | Path, cfg: TrainConfig = 
         "held_out_loss": {"trained": val, "untrained": untrained, "unigram": unigram},
         "held_out_perplexity": {k: evaluate.perplexity(v) for k, v in
                                 (("trained", val), ("untrained", untrained), ("unigram", unigram))},
+        "heads": heads,
         "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1),
         "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
         "config": {k: v for k, v in asdict(cfg).items() if k != "shape"},
         "torch": torch.__version__,
     }
+    if earlier is not None:
+        stages = earlier.pop("stages", [])
+        report["held_out_loss"]["start_of_stage"] = start_loss
+        report["stages"] = [*stages, earlier]
+        report["train_seconds_all_stages"] = round(sum(st["train_seconds"] for st in report["stages"])
+                                                   + train_seconds, 1)
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_model_card(out, report, wordnet_licence(corpus.source))
+    ind = heads["induction"]
     log(f"held-out loss {val:.3f} (perplexity {math.exp(val):.1f}); untrained {untrained:.3f}, "
-        f"unigram {unigram:.3f}; {train_seconds:.0f} s of training; wrote {out}")
+        f"unigram {unigram:.3f}; best induction head: layer {ind['layer']} head {ind['head']} "
+        f"score {ind['score']:.2f}; {train_seconds:.0f} s of training; wrote {out}")
     return report

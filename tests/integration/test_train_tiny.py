@@ -3,6 +3,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from qwen_npu import SamplingParams, Session
@@ -31,6 +32,9 @@ def test_train_tiny_writes_a_checkpoint_both_loaders_read(tmp_path):
     assert report["held_out_loss"] == again["held_out_loss"]
     assert report["parameters"] == sum(p.numel() for p in _hf(out).parameters())
     assert set(report["held_out_loss"]) == {"trained", "untrained", "unigram"}
+    heads = report["heads"]
+    assert 0 <= heads["induction"]["layer"] < 2 and 0 <= heads["induction"]["head"] < 4
+    assert 0 < heads["induction"]["score"] <= 1 and 0 < heads["previous_token"]["score"] <= 1
     assert any(line.startswith("step     3") for line in logs)
     card = (out / "README.md").read_text()
     assert "Princeton University" in card and f"{report['held_out_loss']['trained']:.3f}" in card
@@ -63,3 +67,70 @@ def test_train_tiny_writes_a_checkpoint_both_loaders_read(tmp_path):
 def _hf(path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_a_second_stage_continues_from_a_checkpoint_with_copy_rows(tmp_path):
+    root = write_wordnet(tmp_path / "wn")
+    first = train_tiny(root, tmp_path / "a", CFG, log=lambda s: None)
+    cfg = TrainConfig(seed=7, steps=3, batch_size=2, seq_len=32, warmup_steps=1, eval_windows=4, shape=SHAPE,
+                      copy_rows=1, copy_len=(4, 8), init=str(tmp_path / "a"))
+    logs = []
+    second = train_tiny(root, tmp_path / "b", cfg, log=logs.append)
+    # the same tokenizer, new weights, the first stage's figures kept
+    assert (tmp_path / "b" / "tokenizer.json").read_bytes() == (tmp_path / "a" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() != (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert second["stages"] == [json.loads((tmp_path / "a" / "training_report.json").read_text())]
+    assert second["held_out_loss"]["untrained"] == first["held_out_loss"]["untrained"]
+    assert second["held_out_loss"]["start_of_stage"] == pytest.approx(first["held_out_loss"]["trained"], abs=1e-5)
+    assert second["train_seconds_all_stages"] == pytest.approx(first["train_seconds"] + second["train_seconds"], abs=0.2)
+    assert any("held-out loss at the start" in line for line in logs)
+    card = (tmp_path / "b" / "README.md").read_text()
+    assert "1. seed 7, 4 steps of 2 x 32 tokens, peak" in card
+    assert "2. seed 7, 3 steps of 2 x 32 tokens, 1 of them copy rows" in card
+    assert f"score {second['heads']['induction']['score']:.2f}" in card
+    third = train_tiny(root, tmp_path / "c", cfg, log=lambda s: None)
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert third["held_out_loss"] == second["held_out_loss"]
+
+
+class _PlantedHeads(torch.nn.Module):
+    """Stands in for a causal LM with 2 layers x 3 heads: layer 1 head 2 attends from every token
+    to the one after the previous occurrence of the same token, layer 0 head 1 to the previous
+    token, the rest uniformly; the logits copy the induction target."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+        self.config = type("Config", (), {"_attn_implementation": "sdpa"})()
+        self.calls = []
+
+    def set_attn_implementation(self, name):
+        self.config._attn_implementation = name
+
+    def forward(self, input_ids, output_attentions=False):
+        self.calls.append((self.config._attn_implementation, self.training, output_attentions))
+        ids = input_ids[0].tolist()
+        n = len(ids)
+        att = torch.tril(torch.ones(2, 3, n, n))
+        att = att / att.sum(-1, keepdim=True)
+        logits = torch.zeros(1, n, self.vocab)
+        for q in range(1, n):
+            att[0, 1, q] = 0
+            att[0, 1, q, q - 1] = 1
+            earlier = [j for j in range(q) if ids[j] == ids[q]]
+            if earlier:
+                att[1, 2, q] = 0
+                att[1, 2, q, earlier[-1] + 1] = 1
+                logits[0, q, ids[earlier[-1] + 1]] = 20.0
+        return type("Out", (), {"attentions": tuple(a[None] for a in att), "logits": logits})()
+
+
+def test_induction_probe_finds_the_copying_head_and_restores_the_model():
+    from qwen_npu.train.evaluate import induction
+    model = _PlantedHeads(4096).train()
+    got = induction(model, pad_id=0, first_id=9, vocab_size=4096, length=12, probes=2)
+    assert got["induction"] == {"layer": 1, "head": 2, "score": pytest.approx(1.0, abs=0.1)}
+    assert got["previous_token"] == {"layer": 0, "head": 1, "score": 1.0}
+    assert got["logprob_second_copy"] > -0.01 > got["logprob_first_copy"]      # copied the second time
+    assert model.calls and all(c == ("eager", False, True) for c in model.calls)
+    assert model.training and model.config._attn_implementation == "sdpa"     # put back as it was

@@ -109,13 +109,24 @@ def test_model_card_keeps_the_wordnet_licence(tmp_path):
         "Copyright: 2006 Princeton University\nLicense: WordNet3.0\nPermission to use.\n\nNo warranty.")
 
 
-def test_repeat_rows_repeat_the_first_half():
+def test_copy_rows_repeat_random_tokens_from_the_given_range():
     stream = torch.arange(5000)
-    x, y = data.Batches(stream, batch_size=4, seq_len=16, seed=2, repeat_rows=2).next()
-    for row in x[:2]:
-        assert torch.equal(row[:8], row[8:16])                  # w w
+    x, y = data.Batches(stream, batch_size=4, seq_len=16, seed=2, copy_rows=2, copy_ids=(9, 40),
+                        copy_len=(3, 5)).next()
+    for row, target in zip(x[:2], y[:2]):
+        n = next(n for n in (3, 4, 5) if torch.equal(row[n:], row[:-n]))
+        assert bool(((row >= 9) & (row < 40)).all())            # only the ordinary ids asked for
+        # the first copy's targets are random: left out of the loss; the rest copy
+        assert bool((target[:n - 1] == data.IGNORE).all()) and bool((target[n - 1:] >= 9).all())
+        assert torch.equal(target[n - 1:-1], row[n:]) and target[-1] == row[-n]
     for row in x[2:]:
         assert torch.equal(row[1:] - row[:-1], torch.ones(15, dtype=row.dtype))   # plain windows
-    assert torch.equal(y[0, :-1], x[0, 1:]) and y[0, -1] == x[0, 7] + 1
-    with pytest.raises(ValueError, match="repeat_rows"):
-        data.Batches(stream, batch_size=2, seq_len=16, seed=0, repeat_rows=3)
+    assert torch.equal(y[2:, :-1], x[2:, 1:]) and not bool((y[2:] == data.IGNORE).any())
+    again = data.Batches(stream, batch_size=4, seq_len=16, seed=2, copy_rows=2, copy_ids=(9, 40), copy_len=(3, 5))
+    assert torch.equal(again.next()[0], x)
+    with pytest.raises(ValueError, match="copy_rows"):
+        data.Batches(stream, batch_size=2, seq_len=16, seed=0, copy_rows=3, copy_ids=(9, 40))
+    with pytest.raises(ValueError, match="copy_ids"):
+        data.Batches(stream, batch_size=2, seq_len=16, seed=0, copy_rows=1, copy_ids=(40, 9))
+    with pytest.raises(ValueError, match="copy_len"):
+        data.Batches(stream, batch_size=2, seq_len=16, seed=0, copy_rows=1, copy_ids=(9, 40), copy_len=(4, 17))
