@@ -56,6 +56,7 @@ VLLM_PY = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qw
 BATCHES = (1, 2, 4, 8, 16)
 CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
 REPS = 5
+MIXED_STEPS = "mixed, mixed steps"          # results key: the mixed workload with mixed_steps=True
 
 
 def machine() -> dict:
@@ -120,6 +121,14 @@ def part_workloads(model: str | None, hf: bool, peer: str, results: dict) -> Non
         out[w]["load_before"], out[w]["load_after"] = round(before, 2), round(load(), 2)
         save(results)
         print(f"{w}: {out[w]['seconds']} s", flush=True)
+    # the mixed workload again with decode rows and prefill chunks sharing steps (ours only)
+    cmd = [sys.executable, "-m", "qwen_npu.cli", "bench", "--workload", "mixed", "--json", "--mixed-steps",
+           "--no-probes", "--no-floors"] + (["--model", model] if model else [])
+    before = load()
+    out[MIXED_STEPS] = run_json(cmd, LOGS / "mixed-steps.txt")
+    out[MIXED_STEPS]["load_before"], out[MIXED_STEPS]["load_after"] = round(before, 2), round(load(), 2)
+    save(results)
+    print(f"mixed with mixed steps: {out[MIXED_STEPS]['seconds']} s", flush=True)
 
 
 def part_vllm(model: str, dtypes: list[str], results: dict) -> None:
