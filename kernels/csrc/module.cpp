@@ -29,6 +29,25 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t panel_rows) {
   return y.to(x.scalar_type()).view(sizes);
 }
 
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu linear_bf16: tensors must be on the cpu");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "cpu linear_bf16: x and w must be bfloat16");
+  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "cpu linear_bf16: x [..., K] and w [N, K] disagree: ",
+              x.sizes(), " vs ", w.sizes());
+  const int64_t K = w.size(1), N = w.size(0);
+  auto x2 = x.reshape({-1, K}).contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = x2.size(0);
+  auto y = torch::empty({M, N}, x2.options().dtype(at::kFloat));
+  if (M > 0)
+    linear_bf16_kernel(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K,
+                       reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), N, y.data_ptr<float>());
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.to(at::kBFloat16).view(sizes);
+}
+
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                               double scale) {
@@ -179,6 +198,8 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &qwen_npu_cpu::linear, "y = x @ w.T with fp32 accumulation (bf16 or fp32 weights)");
+  m.def("linear_bf16", &qwen_npu_cpu::linear_bf16, "y = x @ w.T, bf16 x and w, AVX512-BF16 dot products");
+  m.def("has_bf16_dot", &qwen_npu_cpu::bf16_dot_available, "was the AVX512-BF16 linear compiled in?");
   m.def("paged_attention", &qwen_npu_cpu::paged_attention, "causal paged attention, fp32 arithmetic");
   m.def("write_kv", &qwen_npu_cpu::write_kv, "scatter K/V into the caches by slot, skipping negative slots");
   m.def("rms_norm", &qwen_npu_cpu::rms_norm, "RMSNorm over the last dimension");

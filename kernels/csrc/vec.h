@@ -132,6 +132,9 @@ inline void pack16(const W* const* rows, int64_t k0, int64_t kc, float* buf, int
 // module.cpp checks and unpacks the tensors. Only module.cpp includes the torch headers.
 template <typename W>
 void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows);
+// linear_bf16.cpp: bf16 x and w with AVX512-BF16 dot products (call only where the CPU has them)
+bool bf16_dot_available();
+void linear_bf16_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);
 
 struct AttentionShape {
   int64_t rows, heads, kv_heads, head_dim, block_size, max_blocks;

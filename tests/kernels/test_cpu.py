@@ -39,6 +39,34 @@ def test_linear_matches_float64(n, k, rows, dtype):
     torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[dtype])
 
 
+@pytest.mark.skipif(not (cpu.available() and cpu.bf16_dot()), reason="the CPU has no AVX512-BF16 dot products")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 11, 16])
+@pytest.mark.parametrize("n, k", [(8, 32), (16, 64), (19, 1000), (7, 13), (1, 33), (40, 96)])
+def test_native_bf16_dot_products_match_float64(n, k, rows):
+    """csrc/linear_bf16.cpp: x rows in pairs and one alone, weight rows in eights and the rest one
+    by one, k tails read with a mask (13, 33, 1000 = 31 x 32 + 8); bf16 products are exact in
+    fp32, so only the fp32 sums and the final bf16 rounding differ from float64."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * 0.2).bfloat16()
+    y = cpu.ops().linear_bf16(x, w)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    want = x.double() @ w.double().T
+    torch.testing.assert_close(y.double(), want, **TOL[torch.bfloat16])
+    # and it is what cpu.linear runs below BF16_DOT_ROWS rows, torch's product from there on
+    routed = cpu.linear(x, w)
+    expected = y if rows < cpu.BF16_DOT_ROWS else F.linear(x, w)
+    assert torch.equal(routed, expected)
+
+
+@pytest.mark.skipif(not (cpu.available() and cpu.bf16_dot()), reason="the CPU has no AVX512-BF16 dot products")
+def test_native_bf16_dot_products_refuse_other_dtypes():
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        cpu.ops().linear_bf16(torch.randn(2, 8), torch.randn(4, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="disagree"):
+        cpu.ops().linear_bf16(torch.randn(2, 8).bfloat16(), torch.randn(4, 9).bfloat16())
+
+
 def test_linear_keeps_leading_dims_and_agrees_with_the_reference_product():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 96, generator=gen).bfloat16()

@@ -1,9 +1,14 @@
 """Which product the cpu set's ``linear`` runs, and that each is right at awkward shapes.
 
-On a CPU with native bf16 dot products, bf16 x with ``cpu.NATIVE_ROWS`` rows or more goes to
-torch's bf16 product; everything else to the C++ kernel. Both choices are forced here through
-``cpu.native_bf16`` so that both run on any machine (torch's bf16 product is only slow, not wrong,
-without native bf16). Tolerances as in test_cpu.py, against float64 from the same rounded inputs.
+Three kinds of machine, forced through ``cpu.native_bf16`` and ``cpu.bf16_dot``:
+
+    AVX512-BF16        bf16 x below ``cpu.BF16_DOT_ROWS`` rows: csrc/linear_bf16.cpp; from it on:
+                       torch's bf16 product (run only where the CPU really has the instructions)
+    other native bf16  bf16 x from ``cpu.NATIVE_ROWS`` rows on: torch's bf16 product
+    (AMX only)
+    no native bf16     the C++ widening kernel (torch's bf16 product would be only slow, not wrong)
+
+Tolerances as in test_cpu.py, against float64 from the same rounded inputs.
 """
 from __future__ import annotations
 
@@ -19,18 +24,43 @@ from qwen_npu.kernels import cpu
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"cpu kernels: {cpu.availability()[1]}")
 
 
+HAS_DOT = cpu.available() and cpu.bf16_dot()
+MACHINES = [pytest.param("avx512-bf16", marks=pytest.mark.skipif(not HAS_DOT, reason="no AVX512-BF16 here")),
+            "native-bf16-only", "no-native-bf16"]
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts the calls that reach the compiled extension's linear."""
+    """The calls that reach the compiled extension: ("linear" or "linear_bf16", x shape)."""
     calls = []
     real = cpu.ops()
 
     class Spy:
         def linear(self, *args):
-            calls.append(args[0].shape)
+            calls.append(("linear", args[0].shape))
             return real.linear(*args)
+
+        def linear_bf16(self, *args):
+            calls.append(("linear_bf16", args[0].shape))
+            return real.linear_bf16(*args)
+
+        def has_bf16_dot(self):
+            return real.has_bf16_dot()
     monkeypatch.setattr(cpu, "ops", lambda: Spy())
     return calls
+
+
+def as_machine(monkeypatch, machine):
+    monkeypatch.setattr(cpu, "native_bf16", lambda: machine != "no-native-bf16")
+    monkeypatch.setattr(cpu, "bf16_dot", lambda: machine == "avx512-bf16")
+
+
+def expected_path(machine, rows):
+    if machine == "avx512-bf16":
+        return "linear_bf16" if rows < cpu.BF16_DOT_ROWS else "torch"
+    if machine == "native-bf16-only" and rows >= cpu.NATIVE_ROWS:
+        return "torch"
+    return "linear"
 
 
 def _case(rows, n, k, dtype=torch.bfloat16, seed=0):
@@ -40,31 +70,38 @@ def _case(rows, n, k, dtype=torch.bfloat16, seed=0):
     return x, w
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "no-native-bf16"])
-@pytest.mark.parametrize("rows", [1, cpu.NATIVE_ROWS - 1, cpu.NATIVE_ROWS, cpu.NATIVE_ROWS + 1, 16, 33])
+ROWS = sorted({1, cpu.NATIVE_ROWS - 1, cpu.NATIVE_ROWS, cpu.NATIVE_ROWS + 1, cpu.BF16_DOT_ROWS - 1,
+               cpu.BF16_DOT_ROWS, 16, 33})
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n, k", [(37, 264), (2, 13), (151, 1000), (17, 8)])
-def test_linear_path_by_rows_and_machine(monkeypatch, kernel_calls, native, rows, n, k):
-    monkeypatch.setattr(cpu, "native_bf16", lambda: native)
+def test_linear_path_by_rows_and_machine(monkeypatch, kernel_calls, machine, rows, n, k):
+    as_machine(monkeypatch, machine)
     x, w = _case(rows, n, k)
     y = cpu.linear(x, w)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[torch.bfloat16])
-    to_torch = native and rows >= cpu.NATIVE_ROWS
-    assert len(kernel_calls) == (0 if to_torch else 1)
-    if to_torch:
+    path = expected_path(machine, rows)
+    assert [c[0] for c in kernel_calls] == ([] if path == "torch" else [path])
+    if path == "torch":
         assert torch.equal(y, F.linear(x, w))
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_linear_counts_rows_across_leading_dims(monkeypatch, kernel_calls, native):
-    """[2, 3, K] is 6 rows: the choice goes by rows, not by the first dimension."""
-    monkeypatch.setattr(cpu, "native_bf16", lambda: native)
-    x, w = _case(2 * cpu.NATIVE_ROWS, 50, 96, seed=3)
-    x = x.view(2, cpu.NATIVE_ROWS, 96)
-    y = cpu.linear(x, w)
-    assert y.shape == (2, cpu.NATIVE_ROWS, 50)
-    torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[torch.bfloat16])
-    assert len(kernel_calls) == (0 if native else 1)
+@pytest.mark.parametrize("machine", MACHINES)
+def test_linear_counts_rows_across_leading_dims(monkeypatch, kernel_calls, machine):
+    """[2, R, K] is 2R rows: the choice goes by rows, not by the first dimension."""
+    as_machine(monkeypatch, machine)
+    for r in (cpu.NATIVE_ROWS, cpu.BF16_DOT_ROWS):
+        kernel_calls.clear()
+        x, w = _case(2 * r, 50, 96, seed=3)
+        x = x.view(2, r, 96)
+        y = cpu.linear(x, w)
+        assert y.shape == (2, r, 50)
+        torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[torch.bfloat16])
+        path = expected_path(machine, 2 * r)
+        assert [c[0] for c in kernel_calls] == ([] if path == "torch" else [path])
 
 
 def test_float32_x_with_bf16_weights_stays_on_the_kernel(monkeypatch, kernel_calls):
@@ -80,10 +117,11 @@ def test_non_contiguous_weight_view_on_either_path(monkeypatch):
     fused = (torch.randn(40, 48, generator=torch.Generator().manual_seed(7)) * 0.2).bfloat16()
     view = fused[:, 8:40]                                 # not contiguous
     x = torch.randn(19, 32, generator=torch.Generator().manual_seed(8)).bfloat16()
-    for native in (True, False):
-        monkeypatch.setattr(cpu, "native_bf16", lambda: native)
-        torch.testing.assert_close(cpu.linear(x, view).double(), x.double() @ view.double().T,
-                                   **TOL[torch.bfloat16])
+    for machine in ("avx512-bf16", "native-bf16-only", "no-native-bf16")[0 if HAS_DOT else 1:]:
+        as_machine(monkeypatch, machine)
+        for rows in (3, 19):
+            torch.testing.assert_close(cpu.linear(x[:rows], view).double(), x[:rows].double() @ view.double().T,
+                                       **TOL[torch.bfloat16])
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="needs /proc/cpuinfo to know the answer")

@@ -1,0 +1,122 @@
+// y = x @ w.T for bf16 x [M, K] and bf16 w [N, K] with the CPU's native bf16 dot products
+// (AVX512-BF16: one vdpbf16ps multiplies 32 bf16 pairs and adds them, in pairs, into 16 fp32
+// lanes). The products are exact in fp32 and the sums fp32, as in torch's own bf16 product.
+//
+// The work is the "few rows" layout of linear.cpp without the widening: NR = 8 weight rows are
+// read once from memory, k in steps of 32, and dotted with MR = 2 x rows at a time (16
+// accumulators), every x row in turn while the 8 weight rows sit in L1; the 16 sums of a tile
+// in one tree of shuffles. Against MR = NR = 4, the x rows are re-read half as often: 3-6% less
+// time from 4 rows on, the same at 1 row. Memory bound for decode-sized M; from about 24 rows
+// torch's own product (oneDNN) is as fast, and cpu.py hands those to it (BF16_DOT_ROWS).
+//
+// Compiled for AVX-512 with a function attribute, so the extension still builds with AVX2 flags;
+// cpu.py calls it only where the CPU reports avx512_bf16 (``has_bf16_dot`` says whether this
+// build has it at all: a compiler too old for the attribute leaves it out).
+#include "vec.h"
+#include <ATen/Parallel.h>
+#include <stdexcept>
+
+#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 11)
+#define QN_BF16_DOT 1
+#endif
+
+namespace qwen_npu_cpu {
+
+#ifdef QN_BF16_DOT
+namespace {
+
+#define QN_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+constexpr int MR_ROWS = 2;
+constexpr int NR_ROWS = 8;
+
+QN_AVX512_BF16 inline __m512bh load_bh(const uint16_t* p, __mmask32 m) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+
+// The horizontal sums of 16 accumulators v[i * 8 + j] (2 x rows, 8 weight rows), stored as
+// y[j] and y[ldy + j]: a tree of in-lane unpacks and cross-lane shuffles (about 45 instructions
+// instead of 16 separate reductions of about 8 each). After the two unpack levels every 128-bit
+// lane of w[r] holds one partial sum of each of v[4r .. 4r + 3]; the shuffles then add the four
+// lanes, leaving v[0 .. 15]'s sums in order.
+QN_AVX512_BF16 inline void sum16(const __m512* v, float* y, int64_t ldy) {
+  __m512 t[8], w[4];
+  for (int p = 0; p < 8; ++p)
+    t[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+  for (int r = 0; r < 4; ++r) {
+    const __m512d a = _mm512_castps_pd(t[2 * r]), b = _mm512_castps_pd(t[2 * r + 1]);
+    w[r] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+  _mm256_storeu_ps(y, _mm512_castps512_ps256(r));
+  _mm256_storeu_ps(y + ldy, _mm512_extractf32x8_ps(r, 1));
+}
+
+// MR rows of x (row stride K) against NR rows of w (row stride K) -> y[i * ldy + j]; a k tail
+// shorter than 32 is read with a mask.
+template <int MR, int NR>
+QN_AVX512_BF16 inline void tile(const uint16_t* x, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 m = K - k >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (K - k)) - 1u);
+    __m512bh wv[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wv[j] = load_bh(w + j * K + k, m);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = load_bh(x + i * K + k, m);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if constexpr (MR == 2 && NR == 8) {
+    __m512 v[16];                    // a copy: taking acc's address would keep it out of registers
+#pragma GCC unroll 16
+    for (int q = 0; q < 16; ++q) v[q] = acc[q / 8][q % 8];
+    sum16(v, y, ldy);
+  } else {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
+}
+
+// Every x row against NR weight rows, MR x rows at a time.
+template <int NR>
+QN_AVX512_BF16 void rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + MR_ROWS <= M; m += MR_ROWS) tile<MR_ROWS, NR>(x + m * K, w, K, y + m * ldy, ldy);
+  if (M - m == 1) tile<1, NR>(x + m * K, w, K, y + m * ldy, ldy);
+}
+
+}  // namespace
+
+bool bf16_dot_available() { return true; }
+
+void linear_bf16_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  constexpr int NR = NR_ROWS;
+  const int64_t groups = N / NR;
+  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) rows<NR>(x, M, K, w + g * NR * K, y + g * NR, N);
+  });
+  for (int64_t n = groups * NR; n < N; ++n) rows<1>(x, M, K, w + n * K, y + n, N);
+}
+
+#else
+
+bool bf16_dot_available() { return false; }
+
+void linear_bf16_kernel(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*) {
+  throw std::runtime_error("cpu linear_bf16: this build has no AVX512-BF16 kernel (compiler too old)");
+}
+
+#endif
+
+}  // namespace qwen_npu_cpu
