@@ -3,10 +3,11 @@
     AVX2 + FMA, the cpu set can be built  -> "cpu"
         without native bf16: torch's bf16 products take a slow generic path; the cpu set does
         fp32 arithmetic on bf16 storage, 4-12x faster there
-        with native bf16 (AVX512-BF16 or AMX): the cpu set sends products of ``cpu.NATIVE_ROWS``
-        rows and more to torch's bf16 product (oneDNN) and runs the rest (batch-1 products,
-        attention, norms, RoPE, KV writes) in its own kernels: decode steps measured 1.6x
-        (batch 1) and 2.4x (batch 16) faster than the reference set on a 2-core AVX512-BF16 CPU
+        with native bf16 (AVX512-BF16 or AMX): the cpu set runs decode-sized products with
+        native bf16 dot products (AVX512-BF16), sends prefill-sized ones to torch's bf16 product
+        (oneDNN) and runs attention, norms, RoPE and KV writes in its own kernels: decode steps
+        measured 1.6x (batch 1) and 2.4x (batch 16) faster than the reference set on a 2-core
+        AVX512-BF16 CPU, before the dot-product kernel made them faster still
     otherwise                             -> "reference", with the reason the cpu set cannot run
 
 ``choose()`` returns (set, reason); ``qwen-npu env`` prints both. Detection reads torch's own
@@ -62,9 +63,9 @@ def choose() -> tuple[str, str]:
     if state == "failed":
         return "reference", f"building the cpu set failed: {detail}; the reference set is {SLOWER}"
     if native:
-        return "cpu", (f"{evidence}; {reason}: the cpu set runs products of {cpu.NATIVE_ROWS} rows and more "
-                       f"through torch's bf16 product and the rest (batch-1 products, attention, norms) in "
-                       f"its own kernels, faster than the reference set at every step shape measured")
+        return "cpu", (f"{evidence}; {reason}: the cpu set runs many-row products through torch's bf16 "
+                       f"product and the rest (decode products, attention, norms) in its own kernels, "
+                       f"faster than the reference set at every step shape measured")
     return "cpu", f"{evidence}; {reason}: the cpu set's fp32 arithmetic beats torch's generic bf16 path"
 
 

@@ -212,9 +212,9 @@ def render(res: dict, md: Path, png: Path) -> None:
                   "| kernels | batch 1 (ms) | batch 16 (ms) |", "|---|---|---|"]
         lines += [f"| `{k}` | {_f(v.get('b1'))} | {_f(v.get('b16'))} |" for k, v in ks.items()]
         lines += ["", "`reference` is the pure-torch truth (bf16 matrix products through torch); `cpu` is the",
-                  "C++ set in `kernels/cpu.py` (AVX2, fp32 arithmetic on bf16 storage; on a CPU with native",
-                  "bf16 it hands products of 6 rows and more to torch's bf16 product), which `kernels=\"auto\"`",
-                  "picks wherever it can be built.", ""]
+                  "C++ set in `kernels/cpu.py` (AVX2, fp32 arithmetic on bf16 storage; on a CPU with",
+                  "AVX512-BF16, native bf16 dot products below 20 rows and torch's bf16 product from 20 rows",
+                  "on), which `kernels=\"auto\"` picks wherever it can be built.", ""]
     if sc.get("grid"):
         ms, tok = scaling_tables(sc)
         have_png = plot(sc, png)
@@ -238,7 +238,9 @@ def render(res: dict, md: Path, png: Path) -> None:
               "- `kernels=\"cpu\"`: bf16 weights are widened to fp32 in registers. Decode streams each",
               "  weight row once (batch 1: four rows at a time, prefetched ahead); prefill packs x in",
               "  6-row groups and weights in transposed 16-row panels for a 6 x 16 register tile. On a",
-              "  CPU with native bf16 (AVX512-BF16, AMX), 6 rows and more go to torch's bf16 product.",
+              "  CPU with AVX512-BF16, fewer than 20 rows (decode) take native bf16 dot products straight",
+              "  from bf16 x and weights (`csrc/linear_bf16.cpp`: 8 weight rows x 2 x rows per tile), and",
+              "  20 rows and more (prefill) torch's bf16 product.",
               "- Decode attention takes all KV heads of a token in one work item, so each position's K/V",
               "  (adjacent in the cache) stream through memory in order; positions are found through",
               "  offsets worked out once per item from the block table.",
