@@ -5,9 +5,10 @@
 // The work is the "few rows" layout of linear.cpp without the widening: NR = 8 weight rows are
 // read once from memory, k in steps of 32, and dotted with MR = 2 x rows at a time (16
 // accumulators), every x row in turn while the 8 weight rows sit in L1; the 16 sums of a tile
-// in one tree of shuffles. Against MR = NR = 4, the x rows are re-read half as often: 3-6% less
-// time from 4 rows on, the same at 1 row. Memory bound for decode-sized M; from about 24 rows
-// torch's own product (oneDNN) is as fast, and cpu.py hands those to it (BF16_DOT_ROWS).
+// in one tree of shuffles. Against MR = NR = 4 tiles the x rows are re-read half as often (the
+// two measured within this host's noise of each other). Memory bound for decode-sized M; from
+// about 24 rows torch's own product (oneDNN) is as fast, and cpu.py hands those to it
+// (BF16_DOT_ROWS).
 //
 // Compiled for AVX-512 with a function attribute, so the extension still builds with AVX2 flags;
 // cpu.py calls it only where the CPU reports avx512_bf16 (``has_bf16_dot`` says whether this
