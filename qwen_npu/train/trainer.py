@@ -12,8 +12,11 @@ keeps the earlier stages' figures under ``stages``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,6 +56,26 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@contextlib.contextmanager
+def staged_folder(out: Path):
+    """A fresh sibling folder to write into; on success it replaces ``out`` (whatever was there),
+    on any error or interrupt it is removed and ``out`` is left as it was."""
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f"{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def train_tiny(wordnet_dir: str | Path, out_dir: str | Path, cfg: TrainConfig = TrainConfig(),
@@ -125,8 +148,6 @@ def train_tiny(wordnet_dir: str | Path, out_dir: str | Path, cfg: TrainConfig = 
     val = evaluate.model_loss(model, windows)
     heads = evaluate.induction(model, **probe)
 
-    out = save_checkpoint(model, config, out_dir, eos_ids=[eos_id, pad_id], pad_id=pad_id)
-    save_tokenizer(tok, out, qwen3_chat_template())
     report = {
         "corpus": {"source": "WordNet 3.0 (Debian package wordnet-base)", "licence": "WordNet 3.0 licence",
                    "bytes": corpus.num_bytes, "train_paragraphs": len(corpus.train),
@@ -149,8 +170,12 @@ def train_tiny(wordnet_dir: str | Path, out_dir: str | Path, cfg: TrainConfig = 
         report["stages"] = [*stages, earlier]
         report["train_seconds_all_stages"] = round(sum(st["train_seconds"] for st in report["stages"])
                                                    + train_seconds, 1)
-    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_model_card(out, report, wordnet_licence(corpus.source))
+    out = Path(out_dir)
+    with staged_folder(out) as tmp:
+        save_checkpoint(model, config, tmp, eos_ids=[eos_id, pad_id], pad_id=pad_id)
+        save_tokenizer(tok, tmp, qwen3_chat_template())
+        (tmp / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_model_card(tmp, report, wordnet_licence(corpus.source))
     ind = heads["induction"]
     log(f"held-out loss {val:.3f} (perplexity {math.exp(val):.1f}); untrained {untrained:.3f}, "
         f"unigram {unigram:.3f}; best induction head: layer {ind['layer']} head {ind['head']} "

@@ -134,3 +134,19 @@ def test_induction_probe_finds_the_copying_head_and_restores_the_model():
     assert got["logprob_second_copy"] > -0.01 > got["logprob_first_copy"]      # copied the second time
     assert model.calls and all(c == ("eager", False, True) for c in model.calls)
     assert model.training and model.config._attn_implementation == "sdpa"     # put back as it was
+
+
+def test_an_interrupted_write_leaves_the_checkpoint_folder_as_it_was(tmp_path, monkeypatch):
+    from qwen_npu.train import trainer
+    root = write_wordnet(tmp_path / "wn")
+    out = tmp_path / "ckpt"
+    train_tiny(root, out, CFG, log=lambda s: None)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(trainer, "write_model_card", interrupted)   # the last file written
+    with pytest.raises(KeyboardInterrupt):
+        train_tiny(root, out, TrainConfig(**{**CFG.__dict__, "seed": 8}), log=lambda s: None)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "wn"]       # no partial folder left

@@ -250,3 +250,40 @@ def test_bf16_model_logits_match_the_reference_set(bf16_ckpt):
     top2 = want.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.1                 # compare tokens only where the margin is clear
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupt_inside_a_cpu_product_leaves_the_session_as_it_was(bf16_ckpt, monkeypatch, exc):
+    """Ctrl-C (or a failure) in the middle of a step's products, on whichever path the machine
+    takes (native bf16 dot products, torch's product, the widening kernel): nothing of the step
+    stays, statistics included, and the same session then finishes with the uninterrupted tokens."""
+    prompts = [list(range(3, 30)), [7] * 9]
+    want = Session.from_pretrained(bf16_ckpt, kernels="cpu", max_batch=4, chunk_size=16, max_model_len=128)
+    want_ids = [list(o.token_ids) for o in want.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True),
+                                                      progress=False)]
+    sess = Session.from_pretrained(bf16_ckpt, kernels="cpu", max_batch=4, chunk_size=16, max_model_len=128)
+    reqs = [sess.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True)) for p in prompts]
+    real = cpu.linear
+    for fail_at in (3, 40):                       # early in a prefill; inside a later step's forward
+        sess.step()
+        calls = []
+
+        def failing(x, w):
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise exc("interrupted inside a product")
+            return real(x, w)
+        monkeypatch.setattr(cpu, "linear", failing)
+        while True:                               # steps commit until the one that fails inside
+            before = sess.state_digest()
+            try:
+                sess.step()
+            except exc:
+                break
+        monkeypatch.setattr(cpu, "linear", real)
+        assert len(calls) == fail_at
+        assert sess.state_digest() == before, before.diff(sess.state_digest())
+        assert sess.check().ok
+    while not all(r.is_done for r in reqs):
+        sess.step()
+    assert [list(r.output_token_ids) for r in reqs] == want_ids
