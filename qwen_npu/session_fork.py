@@ -123,8 +123,7 @@ def fork_session(sess, sampling=None):
         _copy_state(r, c)
         g = st.generators.get(r.id)
         if sampling is None and g is not None:
-            gens[cid] = clone = sampler.new_generator(g.device, 0)
-            clone.set_state(g.get_state())
+            gens[cid] = sampler.copy_generator(g)
         elif not sp.greedy:
             seed = sp.seed if sp.seed is not None else child._seed_rng.getrandbits(63)
             gens[cid] = sampler.new_generator(sess.model.device, seed)

@@ -108,8 +108,7 @@ class StepDraft:
         """A private copy of request ``rid``'s generator (None for a greedy request)."""
         g = self.generators.get(rid)
         if g is None and rid in live:
-            g = self.generators[rid] = sampler.new_generator(live[rid].device, 0)
-            g.set_state(live[rid].get_state())
+            g = self.generators[rid] = sampler.copy_generator(live[rid])
         return g
 
     def finish(self, d: RequestDraft, reason: str, status: str = FINISHED) -> None:

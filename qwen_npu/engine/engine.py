@@ -26,16 +26,16 @@ from ..errors import InvalidRequestError
 from ..model.qwen3 import Hook, Qwen3Model
 from . import logprobs, sampler, stopping
 from .buffers import DispatchBuffers
+from .calls import CallGate
+from .commit import Commit, StreamHealthWarning  # noqa: F401 - re-exported
+from .deterministic import TokenByTokenRunner
+from .draft import RequestDraft, StepDraft
 from .faults import FaultEmulator
 from .outputs import DeviceLogits, StepResult
 from .plan import StepPlan, buffer_set
 from .request import ABORTED, DECODING, FINISHED, Request
-from .commit import Commit, StreamHealthWarning  # noqa: F401 - re-exported
-from .deterministic import TokenByTokenRunner
-from .calls import CallGate
-from .draft import RequestDraft, StepDraft
-from .transaction import KVGuard, deferred_interrupts, fault_point
 from .runner import ModelRunner
+from .transaction import KVGuard, deferred_interrupts, fault_point
 
 HEALTH = {1: "non-finite logits", 2: "all-zero logits", 3: "all-equal logits"}
 
@@ -278,7 +278,12 @@ def _health_codes(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _pad(tables: list[list[int]], width: int) -> torch.Tensor:
-    return torch.tensor(pad_block_tables(tables, width), dtype=torch.int32).reshape(len(tables), width)
+    """[rows, width] int32, -1 padded; only the longest table's width goes through Python lists."""
+    out = torch.full((len(tables), width), -1, dtype=torch.int32)
+    used = max(map(len, tables), default=0)
+    if used:
+        out[:, :used] = torch.tensor(pad_block_tables(tables, used), dtype=torch.int32)
+    return out
 
 
 def check_not_pending(last: StepResult | None, action: str, requests: dict | None = None) -> None:

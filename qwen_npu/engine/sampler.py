@@ -21,6 +21,13 @@ def new_generator(device: torch.device, seed: int) -> torch.Generator:
     return g
 
 
+def copy_generator(g: torch.Generator) -> torch.Generator:
+    """An independent generator on ``g``'s device that continues exactly where ``g`` is."""
+    copy = new_generator(g.device, 0)
+    copy.set_state(g.get_state())
+    return copy
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> tuple[torch.Tensor, int]:
     """Pick one token per row of ``logits`` [rows, vocab] -> (token ids [rows] int64 on device, h2d bytes).
