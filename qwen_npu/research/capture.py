@@ -36,7 +36,7 @@ from ..errors import InvalidRequestError
 from ..extensions import provides
 from ..inspect.html import fmt_bytes
 from . import capture_memory, hooks
-from .capture_views import CaptureViews
+from .capture_views import CaptureViews, pad_keys
 
 
 @dataclasses.dataclass
@@ -78,9 +78,8 @@ class CaptureSlice:
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    width = max(p.shape[-1] for p in parts) if parts[0].dim() > 1 else 0
-    if parts[0].dim() == 3 and any(p.shape[-1] != width for p in parts):        # scores of several calls
-        parts = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=float("-inf")) for p in parts]
+    if parts[0].dim() == 3:                     # scores of several calls
+        parts = pad_keys(parts)
     return torch.cat(parts)
 
 
@@ -199,8 +198,14 @@ class Capture(CaptureViews):
         self._staged = _Staged()
         self._last = {row.request.id: row.end - 1 for row in plan.rows[:plan.num_active]}
         self._row_kinds = {row.request.id: row.phase for row in plan.rows[:plan.num_active]}
+        self._selections: dict[int, tuple[list, _Selection | None]] = {}
 
-    def on_tensor(self, plan, name: str, x: torch.Tensor, spans) -> None:
+    def _select(self, spans, device) -> _Selection | None:
+        """The chosen tokens of a call's ``spans``: the same for every name that shares the layout,
+        so worked out once per step and layout (the step hook hands each layout's spans once)."""
+        got = self._selections.get(id(spans))
+        if got is not None and got[0] is spans:
+            return got[1]
         chosen, picks = [], []
         for s in spans:
             rid = s.request_id
@@ -209,26 +214,39 @@ class Capture(CaptureViews):
             req = self._sess.state.requests[rid]
             keep = [j for j, p in enumerate(s.positions) if self.keeps_position(req, p, self._last.get(rid))]
             if keep:
-                chosen.append((s, keep, len(picks)))
+                chosen.append((s, [s.positions[j] for j in keep], len(picks)))
                 picks += [s.start + j for j in keep]
-        if not picks:
+        sel = None
+        if picks:
+            if picks == list(range(picks[0], picks[-1] + 1)):
+                index = slice(picks[0], picks[-1] + 1)
+            else:
+                index = torch.tensor(picks, dtype=torch.int64, device=device)
+            sel = _Selection(chosen, index, max(max(ps) for _, ps, _ in chosen) + 1)
+        self._selections[id(spans)] = (spans, sel)
+        return sel
+
+    def on_tensor(self, plan, name: str, x: torch.Tensor, spans) -> None:
+        sel = self._select(spans, x.device)
+        if sel is None:
             return
+        chosen = sel.chosen
         staged = self._staged
         staged.steps[plan.index] = plan.kind
-        if picks == list(range(picks[0], picks[-1] + 1)):
-            snap = x.detach()[picks[0]:picks[-1] + 1]
+        if isinstance(sel.index, slice):
+            snap = x.detach()[sel.index]
         else:
-            snap = x.detach().index_select(0, torch.tensor(picks, dtype=torch.int64, device=x.device))
+            snap = x.detach().index_select(0, sel.index)
         if name.endswith(".attn.scores"):
-            snap = snap[..., :max(max(s.positions[j] for j in keep) for s, keep, _ in chosen) + 1]
+            snap = snap[..., :sel.keys]
         if self.reduce is not None:
             snap = self.reduce(snap)
         if snap.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
             snap = snap.clone()                 # a snapshot: the forward may reuse x's memory
         if self.accumulates:
-            for s, keep, at in chosen:
-                total = snap[at:at + len(keep)].sum(0)
-                staged.sums.append((s.request_id, name, total, len(keep), plan.index))
+            for s, positions, at in chosen:
+                total = snap[at:at + len(positions)].sum(0)
+                staged.sums.append((s.request_id, name, total, len(positions), plan.index))
             return
         event = None
         if self.offload == "host" and snap.device.type != "cpu":
@@ -237,13 +255,12 @@ class Capture(CaptureViews):
             snap = host
             self._event = event = _record_event(x.device)
         cut = name.endswith(".attn.scores") and self.reduce is None
-        for s, keep, at in chosen:
-            positions = [s.positions[j] for j in keep]
-            part = snap[at:at + len(keep)]
+        for s, positions, at in chosen:
+            part = snap[at:at + len(positions)]
             if cut:                             # the keys this row's tokens may see
                 part = part[..., :max(positions) + 1]
             if self.streams:
-                staged.slices.append(CaptureSlice(plan.index, plan.kind, s.request_id, name, positions, part,
+                staged.slices.append(CaptureSlice(plan.index, plan.kind, s.request_id, name, list(positions), part,
                                                   event, self._row_kinds.get(s.request_id, plan.kind)))
                 continue
             rec = staged.records.get((plan.index, s.request_id))
@@ -291,6 +308,14 @@ class Capture(CaptureViews):
             self._event.synchronize()
             self._event = None
         self._fold()
+
+
+@dataclasses.dataclass
+class _Selection:
+    """The chosen tokens of one span layout in one step."""
+    chosen: list            # (span, chosen positions, first row in the gathered tensor)
+    index: slice | torch.Tensor     # rows of the call's tensor to gather
+    keys: int               # keys the chosen tokens see ("attn.scores": one past the largest position)
 
 
 @dataclasses.dataclass

@@ -89,9 +89,8 @@ class CaptureViews:
         ("attn.scores": keys padded with -inf to the longest row)."""
         _, where = self._ordered(name, request)
         rows = [rec.tensor(name)[j] for rec, j in where]
-        width = max(r.shape[-1] for r in rows) if rows[0].dim() else 0
-        if name.endswith(".attn.scores") and any(r.shape[-1] != width for r in rows):
-            rows = [torch.nn.functional.pad(r, (0, width - r.shape[-1]), value=float("-inf")) for r in rows]
+        if name.endswith(".attn.scores"):
+            rows = pad_keys(rows)
         return torch.stack(rows)
 
     def mean(self, name: str, request) -> torch.Tensor:
@@ -151,3 +150,11 @@ class CaptureViews:
 
     def _repr_html_(self) -> str:
         return H.pre(repr(self))
+
+
+def pad_keys(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """"attn.scores" rows cut to different numbers of keys, padded with -inf to the longest."""
+    width = max(r.shape[-1] for r in rows)
+    if all(r.shape[-1] == width for r in rows):
+        return rows
+    return [torch.nn.functional.pad(r, (0, width - r.shape[-1]), value=float("-inf")) for r in rows]

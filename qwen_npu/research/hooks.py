@@ -112,10 +112,10 @@ def staged_seen(entry, plan, what: str) -> dict[int, set[int]]:
     request has computed in the block. Refuses ``plan`` (changing nothing) when ``entry`` names
     absolute positions a row's request computed before and never showed to it (they are in the
     cache and will not be computed again)."""
-    seen = {rid: set(ps) for rid, ps in entry._seen.items()}
     wanted = entry.absolute_positions
     if wanted is None:
-        return seen
+        return entry._seen
+    seen = {rid: set(ps) for rid, ps in entry._seen.items()}
     for row in plan.rows[:plan.num_active]:
         rid = row.request.id
         if not wants_request(entry, rid):

@@ -123,17 +123,21 @@ def activation_patching(sess, clean, corrupted, target: int, baseline: int | Non
     if not positions or any(not isinstance(p, int) or not 0 <= p < n for p in positions):
         raise InvalidRequestError(f"activation_patching: positions={positions!r}; choose ints in 0..{n - 1}")
 
+    def prefill_metric(req) -> float:
+        """Prefill ``req`` to its logits; the metric of its last position."""
+        step = sess.prefill(requests=[req])
+        while step.logits is None or req.id not in step.logits_request_ids:
+            step = sess.prefill(requests=[req])
+        row = step.logits.tensor[step.logits_request_ids.index(req.id)].float()
+        return float(row[target] - (row[baseline] if baseline is not None else 0))
+
     def run(ids, edit=None):
         req = sess.add_request(ids, SamplingParams(max_new_tokens=1, ignore_eos=True))
         ctx = sess.intervene(edit[0], edit[1], requests=[req], positions=[edit[2]]) if edit else None
         if ctx is not None:
             ctx.__enter__()
         try:
-            step = sess.prefill(requests=[req])
-            while step.logits is None or req.id not in step.logits_request_ids:
-                step = sess.prefill(requests=[req])
-            row = step.logits.tensor[step.logits_request_ids.index(req.id)].float()
-            value = float(row[target] - (row[baseline] if baseline is not None else 0))
+            value = prefill_metric(req)
         finally:
             if ctx is not None:
                 ctx.__exit__(None, None, None)
@@ -145,11 +149,7 @@ def activation_patching(sess, clean, corrupted, target: int, baseline: int | Non
 
     req = sess.add_request(clean_ids, SamplingParams(max_new_tokens=1, ignore_eos=True))
     with sess.capture(names, requests=[req]) as cap:
-        step = sess.prefill(requests=[req])
-        while step.logits is None or req.id not in step.logits_request_ids:
-            step = sess.prefill(requests=[req])
-        row = step.logits.tensor[step.logits_request_ids.index(req.id)].float()
-        clean_metric = float(row[target] - (row[baseline] if baseline is not None else 0))
+        clean_metric = prefill_metric(req)
         sess.sample()
     stacks = {name: cap.stack(name, req) for name in names}
     corrupted_metric, _ = run(bad_ids)
