@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import build, reference
+from . import build, cpu_features, reference
 from .metadata import AttentionMetadata
 
 NAME = "cpu"
@@ -133,11 +133,9 @@ def ops():
     return ensure_built()
 
 
-@functools.lru_cache(maxsize=1)
 def native_bf16() -> bool:
     """Does this CPU multiply bf16 natively (AVX512-BF16 or AMX), so that torch's bf16 product is fast?"""
-    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
-    return any(bool(p()) for p in probes if p is not None)
+    return cpu_features.native_bf16()[0]
 
 
 @functools.lru_cache(maxsize=1)

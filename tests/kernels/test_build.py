@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from qwen_npu.kernels import build, cpu, cpu_choice
+from qwen_npu.kernels import build, cpu, cpu_choice, cpu_features
 
 from qwen_npu import device as devices
 from qwen_npu.errors import DeviceError
@@ -39,7 +39,7 @@ def fresh_state(monkeypatch, tmp_path):
     """An empty TORCH_EXTENSIONS_DIR and no build remembered by this process (restored after)."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     loaded, failed = dict(build._loaded), dict(build._failed)
-    caches = (cpu.ops, cpu.availability, cpu_choice.native_bf16, cpu_choice.cpu_flags)
+    caches = (cpu.ops, cpu.availability, cpu_features.native_bf16, cpu_features.cpu_flags)
     for c in caches:
         c.cache_clear()
     yield tmp_path
@@ -213,7 +213,7 @@ def test_lock_left_by_a_killed_build_is_removed_with_a_message(real_extension):
     ({"avx2", "avx512f"}, {}, True, "generic"),
 ])
 def test_auto_choice_follows_the_cpus_bf16_support(fresh_state, monkeypatch, flags, probes, mkldnn, want):
-    monkeypatch.setattr(cpu_choice, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         value = probes.get(name, False)
         monkeypatch.setattr(cpu_choice.torch.cpu, name, lambda v=value: v, raising=False)
@@ -261,7 +261,7 @@ def test_build_kernels_command_builds_ahead_of_time_and_reports_failures(real_ex
 @pytest.mark.parametrize("capability, warns", [("AVX2", True), ("DEFAULT", False)])
 def test_auto_warns_about_the_reference_set_only_where_the_cpu_set_would_be_faster(fresh_state, monkeypatch,
                                                                                    capability, warns):
-    monkeypatch.setattr(cpu_choice, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2"}))
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         monkeypatch.setattr(cpu_choice.torch.cpu, name, lambda: False, raising=False)
     monkeypatch.setattr(cpu_choice.torch.backends.cpu, "get_cpu_capability", lambda: capability)
