@@ -15,6 +15,7 @@ computing tokens 16..17 of its prompt (16 tokens of B were computed by earlier s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -29,6 +30,18 @@ class AttentionMetadata:
     query_lens_host: tuple[int, ...]   # tokens per row (host copy)
     seq_lens_host: tuple[int, ...]     # context length per row (host copy)
     is_decode: bool                # every row computes exactly one token
+
+    @classmethod
+    def for_rows(cls, rows, slot_mapping, block_tables: torch.Tensor, device="cpu") -> "AttentionMetadata":
+        """The metadata of a step with ``rows`` [(tokens computed before, tokens computed now)], its
+        tokens' ``slot_mapping`` and the -1 padded ``block_tables``, tensors on ``device``; for
+        calling the kernels by hand (the example above is ``for_rows([(0, 4), (16, 2)], ...)``)."""
+        qlens, seqs = tuple(q for _, q in rows), tuple(d + q for d, q in rows)
+        return cls(positions=torch.tensor([p for d, q in rows for p in range(d, d + q)], device=device),
+                   slot_mapping=torch.tensor(slot_mapping, device=device), block_tables=block_tables.to(device),
+                   seq_lens=torch.tensor(seqs, dtype=torch.int32, device=device),
+                   query_start_loc=torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=device),
+                   query_lens_host=qlens, seq_lens_host=seqs, is_decode=all(q == 1 for q in qlens))
 
     @property
     def num_rows(self) -> int:

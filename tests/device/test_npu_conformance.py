@@ -14,7 +14,6 @@ skipped slots; the norm tests bound the rounding.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import warnings
 
 import pytest
@@ -60,14 +59,8 @@ def build_case(rows, kv_heads, gqa, dtype, device, seed=0, block_size=BLOCK, hea
         kc.view(-1, kv_heads, head_dim)[ctx_slots] = torch.randn(done + q, kv_heads, head_dim, generator=gen).to(dtype)
         vc.view(-1, kv_heads, head_dim)[ctx_slots] = torch.randn(done + q, kv_heads, head_dim, generator=gen).to(dtype)
         slots += ctx_slots[done:]
-    qlens, seqs = tuple(q for _, q in rows), tuple(d + q for d, q in rows)
-    meta = AttentionMetadata(
-        positions=torch.tensor([p for d, q in rows for p in range(d, d + q)], device=device),
-        slot_mapping=torch.tensor(slots, device=device), block_tables=bt.to(device),
-        seq_lens=torch.tensor(seqs, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=device),
-        query_lens_host=qlens, seq_lens_host=seqs, is_decode=all(q == 1 for q in qlens))
-    query = torch.randn(sum(qlens), kv_heads * gqa, head_dim, generator=gen).to(dtype)
+    meta = AttentionMetadata.for_rows(rows, slots, bt, device)
+    query = torch.randn(meta.num_tokens, kv_heads * gqa, head_dim, generator=gen).to(dtype)
     return meta, query.to(device), kc.to(device), vc.to(device)
 
 

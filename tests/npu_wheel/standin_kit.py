@@ -12,7 +12,6 @@ distinct from the cpu, so a host tensor passed where a device tensor belongs sho
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import warnings
 from unittest import mock
 
@@ -79,14 +78,8 @@ def attention_case(rows, block_size=BLOCK, seed=0, device=DEVICE):
         bt[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
     slots = [tables[r][p // block_size] * block_size + p % block_size
              for r, (done, q) in enumerate(rows) for p in range(done, done + q)]
-    qlens, seqs = tuple(q for _, q in rows), tuple(d + q for d, q in rows)
-    meta = AttentionMetadata(
-        positions=torch.tensor([p for d, q in rows for p in range(d, d + q)], device=device),
-        slot_mapping=torch.tensor(slots, device=device), block_tables=bt.to(device),
-        seq_lens=torch.tensor(seqs, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=device),
-        query_lens_host=qlens, seq_lens_host=seqs, is_decode=all(q == 1 for q in qlens))
-    query = torch.randn(sum(qlens), KV_HEADS * GQA, HEAD_DIM, generator=gen).to(DTYPE)
+    meta = AttentionMetadata.for_rows(rows, slots, bt, device)
+    query = torch.randn(meta.num_tokens, KV_HEADS * GQA, HEAD_DIM, generator=gen).to(DTYPE)
     return query.to(device), kc.to(device), vc.to(device), meta
 
 
