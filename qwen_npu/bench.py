@@ -142,6 +142,13 @@ def _blocks_for(work: workloads.Workload, block_size: int, max_batch: int) -> in
 PEER_DTYPES = ("auto", "float32", "bfloat16", "both")
 
 
+def peer_dtypes(choice: str, user: str) -> list[str]:
+    """The dtypes to run a peer in for ``choice`` (one of ``PEER_DTYPES``), ``user`` (the dtype a
+    user would pick here, ``bench_floors.user_dtype``) first."""
+    other = "bfloat16" if user == "float32" else "float32"
+    return {"auto": [user], "both": [user, other]}.get(choice, [choice])
+
+
 def run_bench(work="mixed", *, model=None, compare: str | None = None, device: str = "auto",
               kernels: str = "auto", prefix_cache: bool = True, probes: bool = True, floors: bool = True,
               peer_dtype: str = "auto", mixed_steps: bool = False, log=None) -> dict:
@@ -213,8 +220,7 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
     if compare == "hf":
         from .bench_hf import run_hf_generate
         auto = result["floors"]["peer_dtype"] if "floors" in result else bench_floors.user_dtype(device_used)
-        dtypes = [auto] + ([{"float32": "bfloat16"}.get(auto, "float32")] if peer_dtype == "both" else [])
-        dtypes = dtypes if peer_dtype in ("auto", "both") else [peer_dtype]
+        dtypes = peer_dtypes(peer_dtype, auto)
         runs = {}
         for dtype in dtypes:
             if log:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from qwen_npu.bench import ratio_text
+from qwen_npu.bench_floors import decode_floors
 
 
 def vllm_by_dtype(res: dict) -> dict:
@@ -67,10 +68,10 @@ def floors_lines(res: dict) -> list[str]:
              ("batch 16", "products at the float32 rate", f["b16_compute_ms"], "b16", "decode_ms_b16")]
     own = res.get("scaling", {})                       # the scaling part's floors, measured beside its forwards
     if own.get("read_gb_s") and own.get("fp32_gflops") and own.get("weight_params"):
-        own_floor = {"b1": own["weight_bytes"] / own["read_gb_s"] / 1e6,
-                     "b16": 32 * own["weight_params"] / own["fp32_gflops"] / 1e6}
+        own = decode_floors(own, own["weight_bytes"], own["weight_params"])
     else:
-        own_floor = {"b1": f["b1_read_ms"], "b16": f["b16_compute_ms"]}
+        own = f
+    own_floor = {"b1": own["b1_read_ms"], "b16": own["b16_compute_ms"]}
     for label, what, floor, key, probe in cases:
         if sc.get(key):
             lines.append(f"| {label}, forward only (scaling) | {what} | {own_floor[key]:.1f} | {sc[key]:.1f} | "

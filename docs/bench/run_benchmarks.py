@@ -104,10 +104,9 @@ def part_floors(model: str, results: dict) -> dict:
 
 def peer_dtypes(choice: str, results: dict) -> list[str]:
     """The dtypes to run the peers in, the user's choice on this machine first."""
-    from qwen_npu import bench_floors
+    from qwen_npu import bench, bench_floors
     user = results.get("floors", {}).get("peer_dtype") or bench_floors.user_dtype("cpu")
-    other = "bfloat16" if user == "float32" else "float32"
-    return {"auto": [user], "both": [user, other]}.get(choice, [choice])
+    return bench.peer_dtypes(choice, user)
 
 
 def part_workloads(model: str | None, hf: bool, peer: str, results: dict) -> None:
