@@ -136,18 +136,13 @@ class LabServer:
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
         _, alive = psutil.wait_procs(family, timeout=STOP_TIMEOUT_S)
-        for p in alive:
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(alive, timeout=5)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(alive, timeout=5)
+        for signal_them in (psutil.Process.terminate, psutil.Process.kill):   # asked, then forced
+            for p in alive:
+                try:
+                    signal_them(p)
+                except psutil.NoSuchProcess:
+                    pass
+            _, alive = psutil.wait_procs(alive, timeout=5)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
