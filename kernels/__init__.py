@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from . import cpu_features  # noqa: F401  (applies QWEN_NPU_CPU_ISA before torch dispatches)
 from .metadata import AttentionMetadata
 
 KERNEL_SETS = ("reference", "npu", "cpu")

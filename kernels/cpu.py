@@ -141,8 +141,7 @@ def native_bf16() -> bool:
 @functools.lru_cache(maxsize=1)
 def bf16_dot() -> bool:
     """Can csrc/linear_bf16.cpp run here: a CPU with AVX512-BF16 and a build that has the kernel?"""
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    if probe is None or not probe():
+    if not cpu_features.avx512_bf16():
         return False
     try:
         return bool(ops().has_bf16_dot())

@@ -29,6 +29,7 @@ from . import workloads
 from .config import ModelConfig
 from .engine.request import SamplingParams
 from .errors import InvalidRequestError
+from .model.hub import checkpoint_folder
 
 MAX_BATCH = 16
 MAX_MODEL_LEN = 2048
@@ -174,7 +175,7 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
         work = workloads.get_workload(work)
     if not work:
         raise InvalidRequestError("the workload is empty")
-    path = Path(model) if model is not None else ensure_default_model(log=log)
+    path = checkpoint_folder(model) if model is not None else ensure_default_model(log=log)
     vocab = ModelConfig.from_pretrained(path).vocab_size
     top = max(max(p) for p, _ in work)
     if top >= vocab:
@@ -299,7 +300,7 @@ def add_bench_parser(subparsers) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=sorted(workloads.WORKLOADS),
                    help="shared workload (default: mixed, or custom when lengths are given)")
-    p.add_argument("--model", help=f"checkpoint folder (default: {default_model_dir()}, made on first use)")
+    p.add_argument("--model", help=f"checkpoint folder or Hugging Face repo id (default: {default_model_dir()}, made on first use)")
     p.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same work")
     p.add_argument("--peer-dtype", choices=PEER_DTYPES, default="auto",
                    help="Hugging Face's dtype: auto (float32 unless torch's bf16 products are the faster "

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qwen-npu", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="a guided tour on the small trained Qwen3 that ships with the package")
-    demo.add_argument("--model", help="a Qwen3 checkpoint folder instead of the built-in one")
+    demo.add_argument("--model", help="a Qwen3 checkpoint folder or Hugging Face repo id instead of the built-in one")
     demo.set_defaults(handler=_demo)
     for command, module, adder in SUBCOMMANDS:
         try:

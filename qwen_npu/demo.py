@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .engine.request import SamplingParams
+from .model.hub import checkpoint_folder
 from .session import Session
 from .testing import tiny_trained_qwen3
 
@@ -30,7 +31,7 @@ MAX_NEW = (16, 8, 12)
 def run_demo(out=print, model_dir: str | Path | None = None) -> Session:
     """Print the tour; returns the session for further poking."""
     from .device import cpu_kernels_choice
-    path = Path(model_dir) if model_dir else tiny_trained_qwen3()
+    path = checkpoint_folder(model_dir) if model_dir else tiny_trained_qwen3()
     what = "the checkpoint at " + str(path) if model_dir else \
         "the small Qwen3 trained on WordNet's English that ships with qwen-npu (greedy decoding)"
     out(f"qwen-npu demo: {what}")

@@ -23,7 +23,8 @@ import torch
 from . import device as devices
 from .config import device_outputs_default
 
-ENV_VARS = ("QWEN_NPU_DEVICE_OUTPUTS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "ASCEND_RT_VISIBLE_DEVICES",
+ENV_VARS = ("QWEN_NPU_DEVICE_OUTPUTS", "QWEN_NPU_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+            "MKL_ENABLE_INSTRUCTIONS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "ASCEND_RT_VISIBLE_DEVICES",
             "CUDA_VISIBLE_DEVICES", "ASCEND_TOOLKIT_HOME", "OMP_NUM_THREADS")
 CANN_ROOTS = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann/latest")
 
@@ -113,9 +114,10 @@ def _npu_devices() -> str:
 def _cpu_kernels() -> list[tuple[str, str]]:
     """Can the cpu set be built here, is it built (or did its build fail, and how), and what
     kernels="auto" picks on this CPU and why."""
-    from .kernels import build, cpu, cpu_choice
+    from .kernels import build, cpu, cpu_choice, cpu_features
     ok, reason = cpu.availability()
-    items = [("cpu kernels", f"{'usable' if ok else 'not usable'}: {reason}")]
+    items = [("cpu isa", cpu_features.isa_cap_in_force()[1]),
+             ("cpu kernels", f"{'usable' if ok else 'not usable'}: {reason}")]
     if ok:
         state, detail = build.build_status(cpu.extension())
         hint = {"not built": "; `qwen-npu build-kernels` builds it now (about a minute or two)",

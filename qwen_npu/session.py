@@ -30,6 +30,7 @@ from .engine.transaction import deferred_interrupts
 from .errors import InvalidRequestError
 from .extensions import implementation
 from .loading import load_session
+from .model.hub import checkpoint_folder
 from .model.qwen3 import Qwen3Model
 from .session_steps import SessionSteps
 from .tokenizer import Tokenizer
@@ -67,15 +68,18 @@ class Session(SessionSteps):
                         num_blocks=None, max_model_len=None, chunk_size=512, prefix_cache=True,
                         device_outputs=None, slot_check="raise", decode_padding="runtime",
                         kernels="auto", kv_memory=None, deterministic=False, sync_timings=None,
-                        mixed_steps=False) -> Session:
-        """Load a Hugging Face Qwen3 checkpoint folder into a new Session (see the API docs)."""
+                        mixed_steps=False, revision=None) -> Session:
+        """Load a Qwen3 checkpoint into a new Session: a folder, or a Hugging Face repo id found in
+        the user's Hugging Face cache (downloaded only where missing and the hub is online;
+        ``revision`` pins a branch, tag or commit). See the API docs for the options."""
+        path = checkpoint_folder(path, revision)
         model, config, tokenizer = load_session(
             path, device=device, dtype=dtype, max_batch=max_batch, block_size=block_size,
             num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=chunk_size,
             prefix_cache=prefix_cache, device_outputs=device_outputs, slot_check=slot_check,
             decode_padding=decode_padding, kernels=kernels, kv_memory=kv_memory, deterministic=deterministic,
             sync_timings=sync_timings, mixed_steps=mixed_steps)
-        return cls(model, config, path=Path(path), tokenizer=tokenizer)
+        return cls(model, config, path=path, tokenizer=tokenizer)
 
     # ---- requests -----------------------------------------------------------------------------------
     @exclusive

@@ -10,6 +10,27 @@ from qwen_npu.testing import make_tiny_qwen3
 torch.set_num_threads(2)
 
 
+def pytest_configure(config):
+    """``QWEN_NPU_CPU_ISA=avx2`` runs the suite as an AVX2-only CPU would (kernels/cpu_features.py);
+    a cap that came too late to take would test the wrong paths, so stop instead."""
+    from qwen_npu.kernels import cpu_features
+    ok, why = cpu_features.isa_cap_in_force()
+    if not ok:
+        pytest.exit(why, returncode=4)
+
+
+@pytest.fixture
+def default_sigint():
+    """Ctrl-C raises KeyboardInterrupt for the test's duration, as in a notebook: a process started in
+    the background by a non-interactive shell inherits SIGINT ignored, and Python keeps it so."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """Default tiny Qwen3 (2 layers, hidden 64) with the real vocabulary, tokenizer and chat template."""

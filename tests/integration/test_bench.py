@@ -72,10 +72,24 @@ def test_json_report_has_the_figures_and_the_hf_comparison(tiny_ckpt, capsys, sm
     assert f["read_gb_s"] > 0 and f["fp32_gflops"] > 0 and f["bf16_gflops"] > 0
     assert f["peer_dtype"] in ("float32", "bfloat16")
     assert hf["dtype"] == f["peer_dtype"]                                # the peer in the user's dtype
-    assert f["b1_read_ms"] == pytest.approx(f["weight_bytes"] / f["read_gb_s"] / 1e6, rel=0.02)
-    assert f["b16_compute_ms"] == pytest.approx(32 * f["weight_params"] / f["fp32_gflops"] / 1e6, rel=0.02)
-    assert r["decode_b1_vs_floor"] == pytest.approx(r["decode_ms_b1"] / f["b1_read_ms"], rel=0.02)
-    assert r["decode_b16_vs_floor"] == pytest.approx(r["decode_ms_b16"] / f["b16_compute_ms"], rel=0.02)
+    # the floors and ratios are rounded to 0.01: compare at that rounding, inputs' rounding included
+    assert f["b1_read_ms"] == pytest.approx(f["weight_bytes"] / f["read_gb_s"] / 1e6, abs=0.0051)
+    assert f["b16_compute_ms"] == pytest.approx(32 * f["weight_params"] / f["fp32_gflops"] / 1e6, abs=0.0051)
+    assert_ratio_at_rounding(r["decode_b1_vs_floor"], r["decode_ms_b1"], f["b1_read_ms"])
+    assert_ratio_at_rounding(r["decode_b16_vs_floor"], r["decode_ms_b16"], f["b16_compute_ms"])
+
+
+def assert_ratio_at_rounding(ratio, num, den, step=0.01):
+    """``ratio`` is round(a / b, 2) for some a, b that round to ``num``, ``den`` at ``step``."""
+    half = step / 2
+    lo, hi = (num - half) / (den + half), (num + half) / max(den - half, 1e-12)
+    assert lo - half - 1e-9 <= ratio <= hi + half + 1e-9, (ratio, num, den)
+
+
+def test_ratio_at_rounding_accepts_only_what_the_rounding_allows():
+    assert_ratio_at_rounding(0.09, 7.71, 87.87)              # 0.0877 rounds to 0.09
+    with pytest.raises(AssertionError):
+        assert_ratio_at_rounding(0.10, 7.71, 87.87)
 
 
 def test_the_peer_runs_in_both_dtypes_labelled(tiny_ckpt, capsys, small_floors):

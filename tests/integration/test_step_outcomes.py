@@ -142,7 +142,7 @@ def test_a_step_whose_rows_were_all_aborted_needs_no_sample(tiny_ckpt_small_voca
     assert b.id in nxt.request_ids and sess.check().ok
 
 
-def test_ctrl_c_during_a_commit_lands_after_it(tiny_ckpt_small_vocab):
+def test_ctrl_c_during_a_commit_lands_after_it(tiny_ckpt_small_vocab, default_sigint):
     """SIGINT arriving while a commit applies is held back and raised once the state is whole."""
     import os
     import signal
@@ -166,3 +166,30 @@ def test_ctrl_c_during_a_commit_lands_after_it(tiny_ckpt_small_vocab):
     assert len(r.output_token_ids) == 1 and len(sess.history) == 1 and sess.check().ok
     sess.step()
     assert len(r.output_token_ids) == 2
+
+
+def test_ctrl_c_ignored_by_the_process_stays_ignored_through_a_commit(tiny_ckpt_small_vocab):
+    """A process that ignores SIGINT (started in the background) keeps ignoring it: the commit's
+    deferral neither raises nor leaves its own handler installed."""
+    import os
+    import signal
+
+    from qwen_npu.engine.draft import StepDraft
+
+    sess = open_tiny(tiny_ckpt_small_vocab)
+    r = sess.add_request(P3, GREEDY)
+    real = StepDraft.apply
+
+    def apply(self, generators):
+        os.kill(os.getpid(), signal.SIGINT)
+        real(self, generators)
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    StepDraft.apply = apply
+    try:
+        sess.step()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        StepDraft.apply = real
+        signal.signal(signal.SIGINT, previous)
+    assert len(r.output_token_ids) == 1 and sess.check().ok

@@ -213,6 +213,7 @@ def test_lock_left_by_a_killed_build_is_removed_with_a_message(real_extension):
     ({"avx2", "avx512f"}, {}, True, "generic"),
 ])
 def test_auto_choice_follows_the_cpus_bf16_support(fresh_state, monkeypatch, flags, probes, mkldnn, want):
+    monkeypatch.delenv(cpu_features.ISA_ENV, raising=False)     # the stubbed machine, uncapped
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         value = probes.get(name, False)
