@@ -1,7 +1,7 @@
 """CPU kernels for x86-64 with AVX2 + FMA: the reference contract (README.md), faster.
 
 On a CPU without native bf16 instructions, torch's bf16 matrix products take a slow generic
-path (well under 10 GFLOP/s on two cores). This set keeps bf16 storage (weights and KV cache)
+path (see docs/benchmarks.md). This set keeps bf16 storage (weights and KV cache)
 but does all arithmetic in fp32:
 
     function         how                                              vs reference
@@ -68,18 +68,11 @@ HEADERS = ("vec.h", "elementwise.h", "attention.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 # From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).
 PANEL_ROWS = 16
-# From this many x rows on, a CPU with native bf16 dot products (AVX512-BF16 or AMX) runs torch's own
-# bf16 product (oneDNN: bf16 products, fp32 sums): measured 1.3-2.3x faster than csrc/linear.cpp from
-# 8 rows up; below 6 rows the C++ dot products stream the weights as fast or faster. (torch's float32
-# product fed with the weights widened to fp32 on each call lost to the C++ kernel at every shape
-# measured, 1.1-2.3x, so it is not used.)
+# From this many x rows on, a CPU with native bf16 (AMX without AVX512-BF16) runs torch's bf16 product
+# (oneDNN); below it the C++ kernel streams the weights as fast or faster (docs/benchmarks.md).
 NATIVE_ROWS = 6
-# Below this many x rows, a CPU with AVX512-BF16 runs csrc/linear_bf16.cpp instead (bf16 dot products
-# straight from bf16 x and weights, no widening). One layer's products plus the LM head on the 0.6B
-# shapes, interleaved A/B on 2 cores (ms, this kernel / C++ widening kernel / torch): 1 row
-# 11.1 / 13.5 / 16.4, 8 rows 18.1 / 31.4 / 21.9, 16 rows 25.9 / 41.9 / 26.8, 24 rows 33.6 / 53.8 / 33.3,
-# 32 rows 41.2 / 67.1 / 38.6. Whole batch-16 decode steps: 106-108 ms with this kernel, 115-119 ms
-# with torch's product (3 interleaved rounds); batch 1: 45 ms, 53-54 ms with the widening kernel.
+# Below this many x rows, a CPU with AVX512-BF16 runs csrc/linear_bf16.cpp (bf16 dot products straight
+# from bf16 x and weights), from it on torch's bf16 product: the crossing measured on the 0.6B shapes.
 BF16_DOT_ROWS = 20
 
 HALF_OR_FLOAT = (torch.bfloat16, torch.float32)

@@ -26,7 +26,8 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 ISA_ENV = "QWEN_NPU_CPU_ISA"
 ISA_CHOICES = ("native", "avx2")
 # torch's own switches for the same cap, as each library spells it
-TORCH_ISA_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+TORCH_ISA_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                  "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def isa_cap() -> str | None:
@@ -64,7 +65,8 @@ def native_bf16() -> tuple[bool, str]:
     """(does the CPU compute bf16 products natively, through torch's oneDNN path?, the evidence)."""
     found = [flag for flag in NATIVE_BF16_FLAGS if flag in cpu_flags()]
     if isa_cap() is None:
-        for flag, probe in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx_bf16", "_is_amx_tile_supported")):
+        probes = (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx_bf16", "_is_amx_tile_supported"))
+        for flag, probe in probes:
             fn = getattr(torch.cpu, probe, None)
             if fn is not None and flag not in found and _safe(fn):
                 found.append(flag)

@@ -1,10 +1,10 @@
 """Ascend NPU kernels: the reference contract (README.md) on torch_npu's fused ops.
 
-torch_npu is loaded through ``qwen_npu.npu_runtime.load_torch_npu`` at the first call that needs it,
+torch_npu is loaded through ``qwen_npu.device.npu_runtime.load_torch_npu`` at the first call that needs it,
 never at import, so ``import qwen_npu.kernels.npu`` works on any machine. Each function checks
 whether its fused op can express the call; where it cannot (tensors not on an npu, float32 where
 the op wants fp16/bf16, a block size or head_dim the op does not take, ...) it runs the reference
-kernel instead and says so with ``warnings.warn`` ONCE per (function, reason). The limits are the
+kernel instead and says so with a RuntimeWarning ONCE per (function, reason). The limits are the
 ones torch-npu's own documentation states (docs/npu.md quotes each one).
 
     function         fused op                                   falls back when
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-import warnings
 
 import torch
 
-from qwen_npu.npu_runtime import load_torch_npu
+from qwen_npu.errors import warn
+from qwen_npu.device.npu_runtime import load_torch_npu
 
 from . import reference
 from .metadata import AttentionMetadata
@@ -51,8 +51,7 @@ MAX_KV_HIDDEN = 65535               # (blocks, block_size, kv_heads * head_dim) 
 @functools.cache
 def warn_fallback(op: str, reason: str) -> None:
     """Say once per (op, reason) that ``op`` runs the reference kernel (``cache_clear`` re-arms)."""
-    warnings.warn(f"qwen_npu.kernels.npu.{op}: {reason}; running the reference kernel instead",
-                  RuntimeWarning, stacklevel=3)
+    warn(f"qwen_npu.kernels.npu.{op}: {reason}; running the reference kernel instead", RuntimeWarning)
 
 
 def _unsupported(tensors: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...]) -> str | None:

@@ -7,24 +7,25 @@ from .engine.faults import FaultEmulationWarning
 from .engine.outputs import DeviceLogits, StepResult
 from .engine.request import Completion, Request, SamplingParams
 from .errors import (CheckpointError, DeviceError, InvalidRequestError, OutOfBlocksError, QwenNpuError,
-                     SessionBusyError, SlotCollisionError, StaleOutputError)
+                     SessionBusyError, SlotCollisionError, StaleOutputError, UnknownOptionError)
+from .session.options import SessionOptions
 from .research.compare import compare
-from .session import Session
+from .session.session import Session
 from .dump import Dump, load_dump  # noqa: E402  isort: skip
 from .engine.logprobs import TokenLogprob  # noqa: E402  isort: skip
-from .env import EnvReport, env_report  # noqa: E402  isort: skip
-from .kernel_build import build_kernels  # noqa: E402  isort: skip
-from .memory import MemoryReport  # noqa: E402  isort: skip
-from .scoring import ScoreResult  # noqa: E402  isort: skip
-from .streaming import StreamEvent  # noqa: E402  isort: skip
-# the layers above the Session register what it lends them (views, snapshot, check, capture, ...)
+from .tools.env import EnvReport, env_report  # noqa: E402  isort: skip
+from .tools.kernel_build import build_kernels  # noqa: E402  isort: skip
+from .session.memory import MemoryReport  # noqa: E402  isort: skip
+from .session.scoring import ScoreResult  # noqa: E402  isort: skip
+from .session.streaming import StreamEvent  # noqa: E402  isort: skip
+# the inspect and research namespaces (the Session's methods import what they use from them when called)
 from . import inspect, research  # noqa: E402,F401  isort: skip
 
 __all__ = [
-    "Session", "SamplingParams", "Request", "Completion", "StepResult", "DeviceLogits",
+    "Session", "SessionOptions", "SamplingParams", "Request", "Completion", "StepResult", "DeviceLogits",
     "check_slot_mapping", "SlotCollisionWarning", "StreamHealthWarning", "FaultEmulationWarning",
     "QwenNpuError", "CheckpointError", "DeviceError", "InvalidRequestError", "OutOfBlocksError",
-    "SlotCollisionError", "StaleOutputError", "SessionBusyError",
+    "SlotCollisionError", "StaleOutputError", "SessionBusyError", "UnknownOptionError",
     "compare",
     "load_dump", "Dump", "env_report", "EnvReport", "build_kernels", "TokenLogprob", "StreamEvent", "ScoreResult",
     "MemoryReport",

@@ -1,4 +1,4 @@
 """``python -m qwen_npu ...``: the ``qwen-npu`` command, for environments whose scripts are not on PATH."""
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

@@ -70,13 +70,13 @@ def kernel_set(request, monkeypatch):
             if os.environ.get("CI", "").lower() == "true":
                 pytest.fail(f"CI=true: the cpu kernel set must be tested here, but {e}")
             pytest.skip(f"the cpu kernel set cannot run here: {e}")
-    import qwen_npu.session as session_module
+    import qwen_npu.session.session as session_module
     real = session_module.load_session
 
-    def load_session(path, **kw):
-        if kw.get("kernels") != "auto":
-            return real(path, **kw)
-        model, config, tokenizer = real(path, **{**kw, "kernels": name})
+    def load_session(path, options):
+        if options.kernels != "auto":
+            return real(path, options)
+        model, config, tokenizer = real(path, options.replace(kernels=name))
         assert config.kernels == name, f"asked for the {name} kernel set, got {config.kernels}"
         return model, config, tokenizer
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from qwen_npu import SamplingParams, Session, workloads
+from qwen_npu import SamplingParams, Session
+from qwen_npu.tools import workloads
 from qwen_npu.testing import make_tiny_qwen3
 
 

@@ -55,7 +55,7 @@ def profile(sess, *, batch: int, context: int, decode_steps: int) -> dict:
     prompt, timed over that many decode steps; 0: the one prefill step of a single such prompt
     (``context`` <= the session's chunk size)."""
     from qwen_npu import SamplingParams
-    from qwen_npu.workloads import custom
+    from qwen_npu.tools.workloads import custom
     sess.reset()
     inner = sess.model.kernels
     timed = TimedKernels(inner, sess.model_config.vocab_size)

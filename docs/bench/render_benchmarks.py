@@ -5,7 +5,7 @@ from pathlib import Path
 
 from render_floors import dtype_table, floors_lines, hf_by_dtype, user_dtype, vllm_by_dtype
 
-from qwen_npu.bench import ratio_text
+from qwen_npu.tools.bench import ratio_text
 from run_benchmarks import MIXED_STEPS
 
 
@@ -139,7 +139,7 @@ def render(res: dict, md: Path, png: Path) -> None:
         "- **Model**: a checkpoint with the exact shapes of Qwen3-0.6B (vocabulary 151936, hidden 1024, 28",
         "  layers, 16 query / 8 KV heads, head_dim 128, intermediate 3072, tied embeddings) and random bf16",
         "  weights, which `qwen-npu bench` writes once into `~/.cache/qwen-npu/qwen3-0.6b-random`.",
-        "- **Workloads** (`qwen_npu.workloads`, token for token the lists the peer scripts use): `mixed`",
+        "- **Workloads** (`qwen_npu.tools.workloads`, token for token the lists the peer scripts use): `mixed`",
         "  and `seed`. Greedy, EOS ignored (every request produces exactly its count), `max_batch` 16,",
         "  `max_model_len` 2048, prefix cache on.",
         "- **Timing**: wall clock of the workload only, after loading and a 4-token warm-up; all requests",

@@ -1,8 +1,8 @@
 """The peers by dtype and the machine's floors, for docs/benchmarks.md (see render_benchmarks.py)."""
 from __future__ import annotations
 
-from qwen_npu.bench import ratio_text
-from qwen_npu.bench_floors import decode_floors
+from qwen_npu.tools.bench import ratio_text
+from qwen_npu.tools.bench_floors import decode_floors
 
 
 def vllm_by_dtype(res: dict) -> dict:
@@ -55,7 +55,7 @@ def floors_lines(res: dict) -> list[str]:
     if not f:
         return []
     lines = ["## The machine's floors", "",
-             f"Measured by the same script (`qwen_npu/bench_floors.py`, load average {f.get('load', '?')}): reading",
+             f"Measured by the same script (`qwen_npu/tools/bench_floors.py`, load average {f.get('load', '?')}): reading",
              f"memory ran at **{f['read_gb_s']:.1f} GB/s** (one pass over 1 GiB, best of five); torch's float32",
              f"product ran at **{f['fp32_gflops']:.0f} GFLOP/s** ([512, 4096] x [4096, 4096], best of three) and",
              f"its bf16 product at {f['bf16_gflops']:.0f} GFLOP/s, so a user runs a torch-based engine in",

@@ -11,7 +11,7 @@ A smoke run of the harness (a few minutes; tiny model, nothing under docs/ touch
         --only vllm --results /tmp/bench.json --page /tmp/bench.md
 
 Parts, each saved into the results file (default docs/bench/results.json) as it finishes:
-  floors     the machine's floors (qwen_npu/bench_floors.py): read bandwidth over 1 GiB, torch's
+  floors     the machine's floors (qwen_npu/tools/bench_floors.py): read bandwidth over 1 GiB, torch's
              float32 and bf16 product rates, and the dtype a user would run the peers in here
              (bfloat16 only where torch's bf16 product is the faster: native bf16 instructions)
   workloads  `qwen-npu bench --workload W --json --compare hf --peer-dtype D` in a fresh process
@@ -93,7 +93,8 @@ def save(results: dict) -> None:
 
 
 def part_floors(model: str, results: dict) -> dict:
-    from qwen_npu import Session, bench_floors
+    from qwen_npu import Session
+    from qwen_npu.tools import bench_floors
     floors = bench_floors.measure()
     sess = Session.from_pretrained(model, kernels="reference", max_model_len=64, num_blocks=8)
     floors.update(bench_floors.decode_floors(floors, *bench_floors.model_weights(sess.model)))
@@ -104,7 +105,8 @@ def part_floors(model: str, results: dict) -> dict:
 
 def peer_dtypes(choice: str, results: dict) -> list[str]:
     """The dtypes to run the peers in, the user's choice on this machine first."""
-    from qwen_npu import bench, bench_floors
+    from qwen_npu.tools import bench
+    from qwen_npu.tools import bench_floors
     user = results.get("floors", {}).get("peer_dtype") or bench_floors.user_dtype("cpu")
     return bench.peer_dtypes(choice, user)
 
@@ -112,7 +114,7 @@ def peer_dtypes(choice: str, results: dict) -> list[str]:
 def part_workloads(model: str | None, hf: bool, peer: str, results: dict) -> None:
     out = results.setdefault("workloads", {})
     for w in ("mixed", "seed"):
-        cmd = [sys.executable, "-m", "qwen_npu.cli", "bench", "--workload", w, "--json"]
+        cmd = [sys.executable, "-m", "qwen_npu.tools.cli", "bench", "--workload", w, "--json"]
         cmd += ["--model", model] if model else []
         cmd += ["--compare", "hf", "--peer-dtype", peer] if hf else []
         before = load()
@@ -121,7 +123,7 @@ def part_workloads(model: str | None, hf: bool, peer: str, results: dict) -> Non
         save(results)
         print(f"{w}: {out[w]['seconds']} s", flush=True)
     # the mixed workload again with decode rows and prefill chunks sharing steps (ours only)
-    cmd = [sys.executable, "-m", "qwen_npu.cli", "bench", "--workload", "mixed", "--json", "--mixed-steps",
+    cmd = [sys.executable, "-m", "qwen_npu.tools.cli", "bench", "--workload", "mixed", "--json", "--mixed-steps",
            "--no-probes", "--no-floors"] + (["--model", model] if model else [])
     before = load()
     out[MIXED_STEPS] = run_json(cmd, LOGS / "mixed-steps.txt")
@@ -179,7 +181,7 @@ def _decode_ms(model, kv, batch: int, context: int, block_size: int, reps: int =
 def part_profile(model_dir: str | None) -> dict:
     from profile_steps import profile
     from qwen_npu import Session
-    from qwen_npu.bench import ensure_default_model
+    from qwen_npu.tools.bench import ensure_default_model
     path = Path(model_dir) if model_dir else ensure_default_model()
     out = {}
     for kernels in ("cpu", "reference"):
@@ -194,9 +196,9 @@ def part_profile(model_dir: str | None) -> dict:
 
 def part_scaling(model_dir: str | None) -> dict:
     import torch
-    from qwen_npu import bench_floors
+    from qwen_npu.tools import bench_floors
     from qwen_npu import Session
-    from qwen_npu.bench import ensure_default_model
+    from qwen_npu.tools.bench import ensure_default_model
     path = Path(model_dir) if model_dir else ensure_default_model()
     block = 16
     grid, by_kernels = {}, {}
@@ -240,7 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--page", type=Path, default=PAGE, help=f"page to write (default {PAGE}; the plot beside it)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from qwen_npu.bench import ensure_default_model
+    from qwen_npu.tools.bench import ensure_default_model
     model = args.model or str(ensure_default_model())
     RESULTS = args.results
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}

@@ -15,8 +15,8 @@ Invariants (``check`` reports any breach as a sentence):
   block is never matchable before its K/V exist.
 * A request marked ``keep_private`` (its K/V were computed under an edit) publishes nothing from
   then on, and its forks inherit the mark: edited K/V never reach a request that was not edited.
-  ``prefix_limit`` (set while research hooks run) caps how many leading tokens ``match_prefix``
-  may take from the cache for a request, so positions an edit or a capture covers are recomputed.
+  ``match_prefix(..., limit=n)`` takes at most ``n`` leading tokens from the cache (research
+  hooks ask for it), so positions an edit or a capture covers are recomputed.
 
 The lifecycle of a request: ``match_prefix`` once on admission (acquires cached blocks), then
 ``allocate`` for the tokens of each step, ``commit`` after each step, ``free`` at the end. If
@@ -26,7 +26,7 @@ admitting it again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..errors import InvalidRequestError, OutOfBlocksError
 from .block_pool import BlockPool
@@ -77,8 +77,6 @@ class KVCacheManager:
         self._block_size = block_size
         self._requests: dict[int, _RequestBlocks] = {}
         self._stats = PrefixCacheStats()
-        # request id -> the most leading tokens match_prefix may reuse (None: no cap); see module doc
-        self.prefix_limit: Callable[[int], int | None] | None = None
 
     def reset(self) -> None:
         """Forget every request, every cached prefix and the statistics."""
@@ -99,7 +97,6 @@ class KVCacheManager:
                                              s.private)
                          for rid, s in self._requests.items()}
         new._stats = self._stats
-        new.prefix_limit = self.prefix_limit
         return new
 
     def adopt(self, draft: KVCacheManager) -> None:
@@ -186,11 +183,13 @@ class KVCacheManager:
         return state
 
     # ---- the lifecycle -------------------------------------------------------------------------
-    def match_prefix(self, request_id: int, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, request_id: int, token_ids: Sequence[int], limit: int | None = None) -> int:
         """Acquire the cached leading full blocks of ``token_ids``; returns the cached token count.
 
         Looks at most ``(len(token_ids) - 1) // block_size`` blocks, so the last token is always
-        computed and its block is private. Creates the request's (possibly empty) block table.
+        computed and its block is private; ``limit`` caps the tokens taken (whole blocks below
+        it: research hooks that must see positions recomputed). Creates the request's (possibly
+        empty) block table.
         """
         if request_id in self._requests:
             raise InvalidRequestError(f"request {request_id} already has the block table "
@@ -201,7 +200,6 @@ class KVCacheManager:
             return 0
         size = self._block_size
         eligible = max(0, (len(token_ids) - 1) // size)
-        limit = self.prefix_limit(request_id) if self.prefix_limit is not None else None
         for block_id in self._cached_blocks(token_ids)[:None if limit is None else limit // size]:
             self._pool.acquire(block_id)
             state.table.append(block_id)

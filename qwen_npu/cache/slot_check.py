@@ -15,13 +15,11 @@ and must carry -1 only. One problem per (check, slot), naming every row involved
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 
-from ..errors import SlotCollisionError
-from ..extensions import implementation
+from ..errors import SlotCollisionError, warn
 from .ledger import SlotLedger
 
 KINDS = ("prefill", "decode", "mixed")   # a step's kind; a mixed step has decode and prefill rows
@@ -125,7 +123,8 @@ class SlotReport(ProblemReport):
         return "\n".join(lines + [f"  - {m}" for m in self.problems])
 
     def _repr_html_(self) -> str:
-        return implementation("slot_report_html")(self)
+        from ..inspect.report_views import slot_report_html
+        return slot_report_html(self)
 
 
 def check_slot_mapping(slot_mapping, block_tables, block_size: int, *, positions=None, seq_lens=None,
@@ -199,14 +198,15 @@ def format_problems(problems: Sequence[SlotProblem]) -> str:
     return "\n".join(p.message for p in problems)
 
 
-def raise_or_warn(problems: Sequence[SlotProblem], mode: str, *, stacklevel: int = 2) -> None:
-    """Apply `slot_check`: "raise" -> SlotCollisionError, "warn" -> SlotCollisionWarning, "off" -> nothing."""
+def raise_or_warn(problems: Sequence[SlotProblem], mode: str) -> None:
+    """Apply `slot_check`: "raise" -> SlotCollisionError, "warn" -> SlotCollisionWarning (pointed at
+    the first frame outside qwen_npu, ``errors.warn``), "off" -> nothing."""
     if mode not in ("raise", "warn", "off"):
         raise ValueError(f"slot_check must be 'raise', 'warn' or 'off', got {mode!r}")
     if not problems or mode == "off":
         return
     if mode == "warn":
-        return warnings.warn(format_problems(problems), SlotCollisionWarning, stacklevel=stacklevel + 1)
+        return warn(format_problems(problems), SlotCollisionWarning)
     err = SlotCollisionError(format_problems(problems))
     err.problems = tuple(problems)
     raise err

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import chat
+from ..text import chat
 from ..config import ModelConfig, SessionConfig
 from ..errors import InvalidRequestError, OutOfBlocksError
 from .request import SamplingParams
@@ -19,7 +19,7 @@ def prepare_request(prompt, sampling, model_config: ModelConfig, config: Session
     if sampling is None:
         sampling = SamplingParams()
     elif isinstance(sampling, dict):
-        sampling = SamplingParams(**sampling)
+        sampling = SamplingParams.from_dict(sampling)
     elif not isinstance(sampling, SamplingParams):
         raise InvalidRequestError(f"sampling must be a SamplingParams, a dict or None, not {type(sampling).__name__}")
     sampling.validate()
@@ -34,11 +34,15 @@ def prepare_request(prompt, sampling, model_config: ModelConfig, config: Session
                                       f"must be lists of token ids, not text")
         text, prompt = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, torch.Tensor):
-        prompt = prompt.flatten().tolist()
-    try:
-        items = list(prompt)
-    except TypeError:
-        raise InvalidRequestError(f"prompt must be a str or a list of int token ids, not {type(prompt).__name__}") from None
+        if prompt.dim() != 1:
+            raise InvalidRequestError(f"a tensor prompt must be 1-D token ids, not shape {list(prompt.shape)}; "
+                                      f"pass one row (t[0]) or t.flatten()")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise InvalidRequestError(f"prompt must be a str, chat messages, or a list of int token ids (a list, "
+                                  f"a tuple or a 1-D tensor), not {type(prompt).__name__}"
+                                  + ("; decode bytes to str first" if isinstance(prompt, (bytes, bytearray)) else ""))
+    items = prompt
     ids = []
     for i, t in enumerate(items):          # ints only: int(1.5) or int(True) would pass silently
         try:

@@ -31,7 +31,7 @@ import torch
 
 from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook
-from .buffers import OutputBuffer
+from .runner import OutputBuffer
 from .plan import StepPlan, buffer_set
 from .runner import ModelRunner
 
@@ -46,34 +46,33 @@ class TokenByTokenRunner(ModelRunner):
         self._first = torch.zeros(1, dtype=torch.int64, device=device)               # [1] logits index
 
     def dispatch(self, plan: StepPlan, timings: dict, transfers: dict, *,
-                 hook: Hook | None = None) -> tuple[OutputBuffer, OutputBuffer, int]:
+                 hook: Hook | None = None) -> tuple[OutputBuffer, OutputBuffer]:
         t0 = time.perf_counter()
         meta = self.fill(plan, transfers)
         logits_buf, hidden_buf = self.outputs(buffer_set(plan.kind))
         pre = "" if buffer_set(plan.kind) == "decode" else "prefill."
-        b, tokens, out_rows = self.buffers, plan.num_tokens, len(plan.logits_index)
+        b, tokens = self.buffers, plan.num_tokens
         input_ids = b.view(pre + "input_ids", tokens)
         positions, slots, block_tables = meta.positions, meta.slot_mapping, meta.block_tables
         out_row = {token: i for i, token in enumerate(plan.logits_index)}
         row_of = [r for r, n in enumerate(plan.query_lens) for _ in range(n)]
-        kv = self.kv_cache.layers()
+        kv = list(zip(self.kv_cache.keys, self.kv_cache.values))
         self.end_phase()
         t1 = time.perf_counter()
         timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
-        with torch.no_grad():
-            for j in range(tokens):
-                pos, r = positions[j:j + 1], row_of[j]                       # [1]
-                meta = AttentionMetadata(
-                    positions=pos, slot_mapping=slots[j:j + 1], block_tables=block_tables[r:r + 1],
-                    seq_lens=(pos + 1).to(torch.int32), query_start_loc=self._query_start,
-                    query_lens_host=(1,), seq_lens_host=(plan.positions[j] + 1,), is_decode=True)
-                o = out_row.get(j)
-                if o is None:
-                    self.model(input_ids[j:j + 1], meta, kv, self._first[:0], hook=hook)
-                else:
-                    self.model(input_ids[j:j + 1], meta, kv, self._first,
-                               logits_out=logits_buf.tensor[o:o + 1], hidden_out=hidden_buf.tensor[o:o + 1],
-                               hook=hook)
-            self.end_phase()
+        for j in range(tokens):
+            pos, r = positions[j:j + 1], row_of[j]                       # [1]
+            meta = AttentionMetadata(
+                positions=pos, slot_mapping=slots[j:j + 1], block_tables=block_tables[r:r + 1],
+                seq_lens=(pos + 1).to(torch.int32), query_start_loc=self._query_start,
+                query_lens_host=(1,), seq_lens_host=(plan.positions[j] + 1,), is_decode=True)
+            o = out_row.get(j)
+            if o is None:
+                self.model(input_ids[j:j + 1], meta, kv, self._first[:0], hook=hook)
+            else:
+                self.model(input_ids[j:j + 1], meta, kv, self._first,
+                           logits_out=logits_buf.tensor[o:o + 1], hidden_out=hidden_buf.tensor[o:o + 1],
+                           hook=hook)
+        self.end_phase()
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
-        return logits_buf, hidden_buf, out_rows
+        return logits_buf, hidden_buf

@@ -20,7 +20,7 @@ import copy as _copy
 
 def fast_tokenizer(tokenizer):
     """The ``tokenizers.Tokenizer`` behind ``tokenizer``: a ``tokenizers.Tokenizer``, a
-    ``qwen_npu.tokenizer.Tokenizer``, or the bound ``decode`` method of either."""
+    ``qwen_npu.text.tokenizer.Tokenizer``, or the bound ``decode`` method of either."""
     tokenizer = getattr(tokenizer, "__self__", tokenizer)      # a bound decode method
     return getattr(tokenizer, "fast", tokenizer)
 

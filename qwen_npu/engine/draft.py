@@ -15,31 +15,21 @@ from __future__ import annotations
 import torch
 
 from . import sampler
-from .request import ABORTED, DECODING, FINISHED, PREFILLING, WAITING, Request
-
-# the Request fields a step may change; ``apply`` assigns exactly these
-FIELDS = ("status", "num_computed_tokens", "num_cached_tokens", "num_preemptions", "output_token_ids",
-          "logprobs", "finish_reason", "stop_reason", "stop_strings")
-
+from .request import ABORTED, DECODING, FINISHED, FIXED_FIELDS, PREFILLING, STEP_FIELDS, WAITING, Request
 
 class RequestDraft:
-    """A request as a step in progress sees it (see the module docstring)."""
+    """A request as a step in progress sees it (see the module docstring). Its fields are exactly
+    ``Request.STEP_FIELDS`` (copied) and ``Request.FIXED_FIELDS`` (read through to the request);
+    any other name is an AttributeError, so a field a draft does not know cannot be read silently
+    from the live request."""
+
+    __slots__ = ("request", "_tokens_copied") + STEP_FIELDS
 
     def __init__(self, req: Request):
         self.request = req
-        self.status = req.status
-        self.num_computed_tokens = req.num_computed_tokens
-        self.num_cached_tokens = req.num_cached_tokens
-        self.num_preemptions = req.num_preemptions
-        self.output_token_ids = req.output_token_ids          # copied before the first append
-        self.logprobs = req.logprobs
-        self.finish_reason = req.finish_reason
-        self.stop_reason = req.stop_reason
-        self.stop_strings = req.stop_strings
+        for name in STEP_FIELDS:
+            setattr(self, name, getattr(req, name))     # the lists are copied before the first append
         self._tokens_copied = False
-
-    def __getattr__(self, name):                 # id, prompt_token_ids, sampling, stop_token_ids, ...
-        return getattr(self.request, name)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -51,7 +41,7 @@ class RequestDraft:
 
     @property
     def is_done(self) -> bool:
-        return self.status in (FINISHED, ABORTED)
+        return self.status in DONE
 
     def append_token(self, token: int, logprob=None) -> None:
         """Stage one sampled token (with its log-probability, when the request records them)."""
@@ -73,8 +63,9 @@ class RequestDraft:
 class StepDraft:
     """The staged changes of one step: request drafts, a manager clone, generator copies."""
 
-    def __init__(self, manager, requests: dict[int, Request]):
+    def __init__(self, manager, requests: dict[int, Request], hooks=None):
         self.live_manager = manager
+        self.hooks = hooks               # the engine's step hooks, which may cap prefix-cache reuse
         self._manager = None             # cloned on first use: a step that touches no block copies nothing
         self.requests = requests
         self.drafts: dict[int, RequestDraft] = {}
@@ -86,6 +77,11 @@ class StepDraft:
         if self._manager is None:
             self._manager = self.live_manager.clone()
         return self._manager
+
+    def prefix_limit(self, request_id: int) -> int | None:
+        """The most leading tokens a request admitted now may take from the prefix cache (None:
+        no cap; the open captures and interventions set one, so their positions are recomputed)."""
+        return self.hooks.prefix_limit(request_id) if self.hooks is not None else None
 
     def of(self, req) -> RequestDraft:
         if isinstance(req, RequestDraft):
@@ -100,7 +96,7 @@ class StepDraft:
         out = []
         for r in reqs:
             seen = r if isinstance(r, RequestDraft) else self.drafts.get(r.id, r)
-            if not seen.is_done:
+            if seen.status not in DONE:
                 out.append(self.of(r))
         return out
 
@@ -122,7 +118,7 @@ class StepDraft:
             self.live_manager.adopt(self._manager)
         for d in self.drafts.values():
             req = d.request
-            for name in FIELDS:
+            for name in STEP_FIELDS:
                 setattr(req, name, getattr(d, name))
         generators.update(self.generators)
 
@@ -135,4 +131,13 @@ def preempt(draft: StepDraft, d: RequestDraft) -> None:
     d.num_preemptions += 1
 
 
+def _read_through(name: str) -> property:
+    return property(lambda self: getattr(self.request, name),
+                    doc=f"``Request.{name}`` (never changed by a step)")
+
+
+for _name in FIXED_FIELDS:
+    setattr(RequestDraft, _name, _read_through(_name))
+
 RUNNING = (PREFILLING, DECODING)
+DONE = (FINISHED, ABORTED)

@@ -25,11 +25,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import warnings
 from collections.abc import Sequence
 
 import torch
 
+from .. import errors
 from ..cache.kv_cache import KVCache
 from ..cache.ledger import SlotCollision
 from ..errors import InvalidRequestError
@@ -76,7 +76,7 @@ class FaultEmulator:
         self.applied: collections.deque[EmulatedFault] = collections.deque(maxlen=MAX_RECORDED)
 
     def apply(self, step: int, collisions: Sequence[SlotCollision], kv_cache: KVCache, *,
-              stacklevel: int = 2, warn: bool = True) -> list[EmulatedFault]:
+              warn: bool = True) -> list[EmulatedFault]:
         """Overwrite every collided slot of ``step`` in every layer; warn once for the step
         (``warn=False``: the caller warns later with ``warn_faults``, once its state is consistent)."""
         if not collisions:
@@ -89,7 +89,7 @@ class FaultEmulator:
             cache.view(-1, *cache.shape[2:]).index_fill_(0, slots, self.value)   # [num_slots, kv_heads, hd]
         self.applied.extend(faults)
         if warn:
-            warn_faults(faults, stacklevel=stacklevel + 1)
+            warn_faults(faults)
         return faults
 
     def find(self, step: int, slot: int) -> EmulatedFault | None:
@@ -102,9 +102,11 @@ class FaultEmulator:
         return f"FaultEmulator(EMULATED {self.model}, {len(self.applied)} faults applied)"
 
 
-def warn_faults(faults: Sequence[EmulatedFault], *, stacklevel: int = 2) -> None:
+def warn_faults(faults: Sequence[EmulatedFault]) -> None:
+    """One FaultEmulationWarning for ``faults``, pointed at the first frame outside qwen_npu
+    (``errors.warn``)."""
     if faults:
-        warnings.warn("\n".join(map(str, faults)), FaultEmulationWarning, stacklevel=stacklevel + 1)
+        errors.warn("\n".join(map(str, faults)), FaultEmulationWarning)
 
 
 class FaultSetting:

@@ -12,8 +12,8 @@ import dataclasses
 import torch
 
 from ..errors import StaleOutputError
-from ..extensions import implementation
-from .buffers import OutputBuffer
+from ..cache.block_table import pad_block_tables
+from .runner import OutputBuffer
 
 
 class DeviceLogits:
@@ -76,27 +76,22 @@ class DeviceLogits:
                 f"device={self.device}, {state})")
 
     def _repr_html_(self) -> str:
-        return implementation("logits_html")(self)
+        from ..inspect.step_view import logits_html
+        return logits_html(self)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class StepResult:
-    """One step: what was dispatched (host copies), its device logits and, once sampled, tokens."""
+    """One step: what was dispatched, its device logits and, once sampled, its tokens.
 
-    kind: str                       # "prefill" | "decode" | "mixed" (decode rows and prefill chunks)
-    index: int                      # the session's step counter
-    request_ids: list[int]          # one per dispatched row (padding rows repeat the copied id)
-    batch_size: int                 # rows dispatched
-    num_active: int                 # rows that belong to a real request (< batch_size only when padded)
-    input_ids: torch.Tensor         # [tokens]
-    positions: torch.Tensor         # [tokens]
-    slot_mapping: torch.Tensor      # [tokens]
-    query_lens: torch.Tensor        # [rows]
-    block_tables: torch.Tensor      # [rows, max_blocks] -1 padded
-    seq_lens: torch.Tensor          # [rows]
+    What was dispatched is read from the step's plan (``engine/plan.py``), the one record of it:
+    ``input_ids``, ``positions``, ``slot_mapping``, ``query_lens``, ``seq_lens`` and
+    ``block_tables`` are host tensors made from the plan when first read."""
+
+    plan: object                    # the StepPlan that ran (engine/plan.py)
     logits: DeviceLogits | None
-    logits_request_ids: list[int]
     host_logits: torch.Tensor
+    max_blocks: int                 # the width ``block_tables`` is padded to (-1)
     hidden: torch.Tensor | None = None          # device view [rows_out, hidden]
     token_ids: torch.Tensor | None = None       # after sampling: [rows_out] int64 on the host
     timings: dict = dataclasses.field(default_factory=dict)
@@ -104,13 +99,54 @@ class StepResult:
     health: list = dataclasses.field(default_factory=list)   # rows whose logits look broken
     slot_problems: list = dataclasses.field(default_factory=list)
     block_size: int | None = None                # the cache's block size (slot = block * block_size + offset)
-    cache_usage: dict = dataclasses.field(default_factory=dict)   # blocks {"used", "cached", "free"} after the run
+    # blocks {"used", "cached", "free"} after the run
+    cache_usage: dict = dataclasses.field(default_factory=dict)
     # per active row: its request's num_preemptions when the step ran (a change between two steps of a
     # request means it was preempted in between and restarted with a new block table)
     row_preemptions: list = dataclasses.field(default_factory=list)
-    # per dispatched row: "decode" (one token of a decoding request) or "prefill" (a prompt chunk);
-    # a "mixed" step has both, the others one kind throughout
-    row_kinds: list = dataclasses.field(default_factory=list)
+    _tensors: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    kind = property(lambda self: self.plan.kind, doc='"prefill" | "decode" | "mixed" (both kinds of row)')
+    index = property(lambda self: self.plan.index, doc="the session's step counter")
+    request_ids = property(lambda self: self.plan.request_ids,
+                           doc="one per dispatched row (padding rows repeat the copied id)")
+    batch_size = property(lambda self: len(self.plan.rows), doc="rows dispatched")
+    num_active = property(lambda self: self.plan.num_active,
+                          doc="rows that belong to a real request (< batch_size only when padded)")
+    row_kinds = property(lambda self: self.plan.row_kinds,
+                         doc='per dispatched row: "decode" or "prefill" (a mixed step has both)')
+
+    @property
+    def logits_request_ids(self) -> list[int]:
+        """The request of each logits row, in order."""
+        return [self.plan.rows[r].request.id for r in self.plan.logits_rows]
+
+    def _tensor(self, name: str, make) -> torch.Tensor:
+        t = self._tensors.get(name)
+        if t is None:
+            t = self._tensors[name] = make()
+        return t
+
+    input_ids = property(lambda self: self._tensor("input_ids", lambda: torch.tensor(self.plan.input_ids)),
+                         doc="[tokens]")
+    positions = property(lambda self: self._tensor("positions", lambda: torch.tensor(self.plan.positions)),
+                         doc="[tokens]")
+    slot_mapping = property(lambda self: self._tensor("slot_mapping", lambda: torch.tensor(self.plan.slot_mapping)),
+                            doc="[tokens]")
+    query_lens = property(lambda self: self._tensor("query_lens", lambda: torch.tensor(self.plan.query_lens)),
+                          doc="[rows]")
+    seq_lens = property(lambda self: self._tensor("seq_lens", lambda: torch.tensor(self.plan.seq_lens)),
+                        doc="[rows]")
+    block_tables = property(lambda self: self._tensor("block_tables", self._padded_tables),
+                            doc="[rows, max_blocks] int32, -1 padded")
+
+    def _padded_tables(self) -> torch.Tensor:
+        tables = self.plan.block_tables
+        out = torch.full((len(tables), self.max_blocks), -1, dtype=torch.int32)
+        used = max(map(len, tables), default=0)
+        if used:
+            out[:, :used] = torch.tensor(pad_block_tables(tables, used), dtype=torch.int32)
+        return out
 
     @property
     def sampled(self) -> bool:
@@ -122,7 +158,9 @@ class StepResult:
         return step_to_dict(self, logits_topk=logits_topk)
 
     def __repr__(self) -> str:
-        return repr(implementation("take_step")(self))
+        from ..inspect.snapshot import take_step
+        return repr(take_step(self))
 
     def _repr_html_(self) -> str:
-        return implementation("take_step")(self)._repr_html_()
+        from ..inspect.snapshot import take_step
+        return take_step(self)._repr_html_()

@@ -1,7 +1,10 @@
-"""A step's plan: the host-side numbers a step will dispatch, before any tensor exists.
+"""A step's plan: the one record of what a step dispatches, before any tensor exists.
 
-The session checks a plan (slot checks) before the runner copies it into the dispatch buffers,
-so a step that would corrupt the cache is refused while nothing has been written.
+Rows, positions, slots, block tables and lengths are held here once. Everything else reads them
+from the plan: the slot checks (a plan is a ``StepWrites`` by its ``row_*`` views), the ledger
+(``token_*`` views), the runner's kernel metadata, ``StepResult`` and through it snapshots and
+dumps. The step checks a plan before the runner copies it into the dispatch buffers, so a step
+that would corrupt the cache is refused while nothing has been written.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ class PlanRow:
     end: int              # one past the last position
     needs_logits: bool    # the row reaches the end of the request's known tokens
     padding: bool = False  # a replicate-padding row (copies row 0)
-    phase: str = "prefill"  # "decode": the row's request was decoding; "prefill": a prompt chunk
+    kind: str = "prefill"  # "decode": the row's request was decoding; "prefill": a prompt chunk
 
 
 @dataclasses.dataclass
@@ -53,7 +56,46 @@ class StepPlan:
     @property
     def row_kinds(self) -> list[str]:
         """Per row: "decode" or "prefill" (a mixed step has both)."""
-        return [r.phase for r in self.rows]
+        return [r.kind for r in self.rows]
+
+    # ---- the plan read as the slot checks' StepWrites (cache/slot_check.py) ----------------
+    @property
+    def step(self) -> int:
+        return self.index
+
+    @property
+    def num_dispatched(self) -> int:
+        return len(self.rows)
+
+    @property
+    def row_request_ids(self) -> list[int]:
+        return self.request_ids
+
+    @property
+    def row_positions(self) -> list[list[int]]:
+        return [self.positions[a:b] for _, a, b in self.row_slices()]
+
+    @property
+    def row_slots(self) -> list[list[int]]:
+        return [self.slot_mapping[a:b] for _, a, b in self.row_slices()]
+
+    @property
+    def row_block_tables(self) -> list[list[int]]:
+        return self.block_tables
+
+    # ---- the plan read token by token (the ledger) ------------------------------------------
+    @property
+    def token_rows(self) -> list[int]:
+        return [i for i, n in enumerate(self.query_lens) for _ in range(n)]
+
+    @property
+    def token_request_ids(self) -> list[int]:
+        ids = self.request_ids
+        return [ids[r] for r in self.token_rows]
+
+    @property
+    def token_kinds(self) -> list[str]:
+        return [self.rows[r].kind for r in self.token_rows]
 
     @property
     def num_tokens(self) -> int:
@@ -82,8 +124,8 @@ def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: d
         start = req.num_computed_tokens
         end = start + n
         table = tables[req.id]
-        phase = "decode" if kind == "decode" or (kind == "mixed" and req.status == DECODING) else "prefill"
-        row = PlanRow(req, start, end, needs_logits=end == req.num_tokens, phase=phase)
+        row_kind = "decode" if kind == "decode" or (kind == "mixed" and req.status == DECODING) else "prefill"
+        row = PlanRow(req, start, end, needs_logits=end == req.num_tokens, kind=row_kind)
         plan_rows.append(row)
         ids += req.all_token_ids[start:end] if n > 1 else [req.all_token_ids[start]]
         pos += range(start, end)

@@ -13,16 +13,26 @@ while more than the last sampled token is missing, a decode step when exactly th
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from typing import Callable
 
 from ..errors import InvalidRequestError
-from ..extensions import implementation
 from .logprobs import TokenLogprob
 from .stopping import StopStrings
 
 WAITING, PREFILLING, DECODING, FINISHED, ABORTED = "waiting", "prefilling", "decoding", "finished", "aborted"
 STATUSES = (WAITING, PREFILLING, DECODING, FINISHED, ABORTED)
+# The smallest temperature above 0. Far below it logits / temperature overflows float32 (a logit of
+# 4 over 1e-38 is 4e38 > 3.4e38: inf, then NaN probabilities); at it the softmax already puts all
+# the mass on the top token whenever the top-2 gap exceeds 1e-3, so nothing sharper is lost.
+MIN_TEMPERATURE = 1e-5
+
+# A Request's public fields, in two kinds: those a step may change (a step stages them on a
+# RequestDraft and its commit assigns exactly these) and those fixed when the request is made.
+STEP_FIELDS = ("status", "num_computed_tokens", "num_cached_tokens", "num_preemptions", "output_token_ids",
+               "logprobs", "finish_reason", "stop_reason", "stop_strings")
+FIXED_FIELDS = ("id", "prompt_token_ids", "sampling", "stop_token_ids", "prompt_text")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +41,9 @@ class SamplingParams:
     whatever else shares the batch; ``stop_token_ids=None`` means the checkpoint's eos ids.
     ``stop``: strings that end the output (matched on decoded text, cut from it);
     ``min_new_tokens``: no stop before that many tokens; ``logprobs=k``: record each token's
-    log-probability and its k most likely alternatives (see ``stopping.py``, ``logprobs.py``)."""
+    log-probability and its k most likely alternatives (see ``stopping.py``, ``logprobs.py``).
+    Checked on construction: counts are ints (never bools), a temperature is 0 or at least
+    ``MIN_TEMPERATURE``, a seed is an int in [0, 2**64), ``ignore_eos`` is a bool."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -45,34 +57,51 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         self.validate()
 
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        """``SamplingParams(**d)``, refusing a key that names no field (listing the close matches)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in names:
+                near = difflib.get_close_matches(str(key), names, n=3, cutoff=0.6)
+                hint = f"; did you mean {' or '.join(map(repr, near))}?" if near else ""
+                raise InvalidRequestError(f"sampling: unknown SamplingParams field {key!r}{hint} "
+                                          f"(the fields: {', '.join(names)})")
+        return cls(**d)
+
     def validate(self) -> None:
         def bad(field, why):
             raise InvalidRequestError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad("max_new_tokens", "must be an int >= 1")
         if not _finite(self.temperature) or self.temperature < 0:
             bad("temperature", "must be a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            bad("temperature", f"is below {MIN_TEMPERATURE:g}, where logits / temperature may overflow "
+                               f"float32; use temperature=0 for greedy decoding")
+        if not _int(self.top_k) or self.top_k < 0:
             bad("top_k", "must be an int >= 0 (0 = off)")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad("seed", "must be None or an int >= 0")
+        if self.seed is not None and (not _int(self.seed) or not 0 <= self.seed < 2**64):
+            bad("seed", "must be None or an int in [0, 2**64)")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be True or False")
         if self.stop is not None and (not isinstance(self.stop, tuple)
                                       or not all(isinstance(x, str) and x for x in self.stop)):
             bad("stop", "must be a non-empty string or a list of them")
-        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+        if not _int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", f"must be an int in 0..max_new_tokens ({self.max_new_tokens})")
         lp = self.logprobs
-        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or lp < 0):
+        if lp is not None and (not _int(lp) or lp < 0):
             bad("logprobs", "must be None (off) or an int >= 0 (alternatives per token)")
 
     def validate_for(self, vocab_size: int, *, has_tokenizer: bool) -> None:
@@ -95,6 +124,23 @@ class SamplingParams:
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int(x) -> bool:
+    """An int and not a bool (True is not a count)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    """``stop_token_ids`` as a tuple of ints, or InvalidRequestError saying what is wrong."""
+    def bad(why):
+        raise InvalidRequestError(f"SamplingParams.stop_token_ids={value!r}: {why}")
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, (list, tuple, set, frozenset)):
+        bad("must be None (the checkpoint's eos ids) or a list of int token ids")
+    for i, t in enumerate(value):
+        if not hasattr(t, "__index__") or isinstance(t, bool):
+            bad(f"item {i} is {t!r} ({type(t).__name__}); token ids must be ints")
+    return tuple(t.__index__() for t in value)
 
 
 class Request:
@@ -153,7 +199,8 @@ class Request:
                 f"blocks={self.block_table}, finish_reason={self.finish_reason!r})")
 
     def _repr_html_(self) -> str:
-        return implementation("take_request")(self)._repr_html_()
+        from ..inspect.snapshot import take_request
+        return take_request(self)._repr_html_()
 
 
 @dataclasses.dataclass(frozen=True)

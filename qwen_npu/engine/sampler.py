@@ -35,12 +35,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     ``generators[r]`` must be set for every non-greedy row.
     """
     greedy_ids = logits.argmax(dim=-1)                                  # [rows]
-    if all(p.greedy for p in params):
+    greedy = [p.temperature == 0.0 for p in params]                       # temperature 0: argmax
+    if all(greedy):
         return greedy_ids, 0
     device = logits.device
     rows, vocab = logits.shape
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
-    is_greedy = torch.tensor([p.greedy for p in params])
+    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
+    is_greedy = torch.tensor(greedy)
     h2d = temps.nbytes + is_greedy.nbytes
     x = logits.float() / temps.to(device)[:, None]                       # [rows, vocab]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
@@ -50,11 +51,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         x = _mask_top_k_top_p(x, ks.to(device), ps.to(device))
     probs = torch.softmax(x, dim=-1)
     noise = torch.empty_like(probs)
-    for r, (p, g) in enumerate(zip(params, generators)):
-        if p.greedy:
+    for r, (row_greedy, gen) in enumerate(zip(greedy, generators)):
+        if row_greedy:
             noise[r].fill_(1.0)
         else:
-            noise[r].exponential_(generator=g)
+            noise[r].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(is_greedy.to(device), greedy_ids, sampled), h2d
 
@@ -73,3 +74,39 @@ def _mask_top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> to
     drop = before >= ps[:, None]                                         # top_p 1 arrives as inf
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
+
+
+def pack(ids: torch.Tensor, logits: torch.Tensor, ks: list[int | None]):
+    """What one step's sample copies to the host, packed on the device: per row the token id with
+    the row's health code (0 healthy, 1 non-finite, 2 all zero, 3 all equal) in its upper 32 bits,
+    widened to ``2 + k`` int64 with log-probabilities when a row asks (``logprobs.py``).
+
+    Returns (packed [rows] or [rows, 2 + k] on the device, ``unpack(host) -> (token ids [rows],
+    health codes, TokenLogprob or None per row)``)."""
+    packed = ids | (health_codes(logits) << 32)
+    if all(k is None for k in ks):
+        def unpack(host):
+            return host & 0xFFFFFFFF, (host >> 32).tolist(), [None] * len(ks)
+        return packed, unpack
+    from . import logprobs
+    packed = logprobs.attach(packed, logits, ids, logprobs.width(ks, logits.shape[-1]))
+
+    def unpack_logprobs(host):
+        first = host[:, 0]
+        return first & 0xFFFFFFFF, (first >> 32).tolist(), logprobs.unpack(host, ks)
+    return packed, unpack_logprobs
+
+
+def health_codes(logits: torch.Tensor) -> torch.Tensor:
+    """Per row: 0 healthy, 1 non-finite, 2 all zero, 3 all equal (int64, on the device)."""
+    hi, lo = logits.amax(dim=-1), logits.amin(dim=-1)                   # [rows]
+    if logits.is_cpu:
+        # torch's CPU max/min propagate NaN, so a row holds a NaN or an inf exactly when its max or
+        # min is not finite: two passes over the logits instead of four
+        nonfinite = ~(torch.isfinite(hi) & torch.isfinite(lo))
+    else:
+        nonfinite = ~torch.isfinite(logits).all(dim=-1)
+    equal = hi == lo
+    zero = equal & (hi == 0)
+    code = torch.where(zero, 2, torch.where(equal, 3, 0))
+    return torch.where(nonfinite, 1, code).to(torch.int64)

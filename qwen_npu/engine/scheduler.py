@@ -69,7 +69,7 @@ class Scheduler:
                 if self._computes_shared_prefix(manager, req, rows):
                     admitting = False        # next step it finds those blocks cached
                     continue
-                n = self._admit(manager, req, budget)
+                n = self._admit(manager, req, budget, draft.prefix_limit(req.id))
                 if n == 0:
                     admitting = False        # no room: later arrivals must not overtake it
                     continue
@@ -123,9 +123,10 @@ class Scheduler:
         return False
 
     @staticmethod
-    def _admit(manager, req, budget: int) -> int:
-        """Take a waiting request in: reuse its cached prefix, allocate its first chunk."""
-        cached = manager.match_prefix(req.id, req.all_token_ids)
+    def _admit(manager, req, budget: int, limit: int | None) -> int:
+        """Take a waiting request in: reuse its cached prefix (at most ``limit`` tokens of it),
+        allocate its first chunk."""
+        cached = manager.match_prefix(req.id, req.all_token_ids, limit)
         n = min(req.num_tokens - cached, budget)
         if not manager.allocate(req.id, cached + n):
             manager.free(req.id)

@@ -8,8 +8,6 @@
 
 ipywidgets and matplotlib are imported only when ``explore`` or a plot is used.
 """
-# every record and view module registers what it lends (see qwen_npu.extensions)
-from . import audit, blocks, check, digest, kv, record_views, report_views, step_view, views  # noqa: F401
 from .slot_detail import SlotDetail, inspect_slot
 from .snapshot import take as snapshot
 from .topk import TopK, topk

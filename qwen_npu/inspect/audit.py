@@ -25,7 +25,6 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from ..errors import InvalidRequestError
-from ..extensions import implementation, provides
 from ..kernels.metadata import AttentionMetadata
 
 SHOWN = 20
@@ -113,7 +112,8 @@ class AuditReport:
         return "\n".join(self._lines())
 
     def _repr_html_(self) -> str:
-        return implementation("audit_html")(self)
+        from .report_views import audit_html
+        return audit_html(self)
 
 
 def recompute_kv(model, token_ids: list[int], block_size: int) -> KVCache:
@@ -136,7 +136,6 @@ def recompute_kv(model, token_ids: list[int], block_size: int) -> KVCache:
     return scratch
 
 
-@provides("session.audit")
 def audit_request(kv, model, request, tol: float | None = None) -> AuditReport:
     """Audit a running ``request`` (Request or id) of the cache behind ``kv`` (a KVView).
 

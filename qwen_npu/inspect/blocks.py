@@ -24,7 +24,6 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 
 from ..cache.manager import PrefixCacheStats
-from ..extensions import implementation, provides
 
 FREE, USED, CACHED = "free", "used", "cached"
 MAX_ROWS = 64          # block rows a repr shows; the rest are summarised
@@ -105,10 +104,12 @@ class BlocksSnapshot:
         return busy[:MAX_ROWS], max(0, len(busy) - MAX_ROWS)
 
     def __repr__(self) -> str:
-        return implementation("blocks_text")(self)
+        from .record_views import blocks_text
+        return blocks_text(self)
 
     def _repr_html_(self) -> str:
-        return implementation("blocks_html")(self)
+        from .record_views import blocks_html
+        return blocks_html(self)
 
 
 def take_blocks(manager, token_ids: Mapping[int, list[int]], step: int = 0) -> BlocksSnapshot:
@@ -138,7 +139,6 @@ def take_blocks(manager, token_ids: Mapping[int, list[int]], step: int = 0) -> B
     return BlocksSnapshot(bs, manager.enable_prefix_cache, tuple(entries), manager.stats, step)
 
 
-@provides("session.blocks")
 def take_session_blocks(sess) -> BlocksSnapshot:
     """``take_blocks`` for a Session (its manager, its requests' tokens, its step counter)."""
     st = sess.state

@@ -24,7 +24,6 @@ from ..cache.block_table import blocks_needed
 from ..cache.slot_check import ProblemReport
 from ..cache.slot_check import ranges_text as runs
 from ..engine.request import DECODING, PREFILLING
-from ..extensions import implementation, provides
 
 SECTIONS = ("blocks", "requests", "append_only", "slots", "collisions", "values")
 RUNNING = (PREFILLING, DECODING)
@@ -77,10 +76,10 @@ class CheckReport(ProblemReport):
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:  # deterministic: inline styles, no ids, no scripts
-        return implementation("check_html")(self)
+        from .report_views import check_html
+        return check_html(self)
 
 
-@provides("session.check")
 def check_session(engine, requests: dict, history) -> CheckReport:
     """Sweep every invariant of a Session's engine, requests and step ``history`` (oldest first)."""
     manager, ledger, cache = engine.manager, engine.ledger, engine.kv_cache

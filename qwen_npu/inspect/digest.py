@@ -11,6 +11,8 @@ Parts (each hashed on its own, so a difference says where it is)::
     buffers      output-buffer generations and which pair is current
     faults       the EMULATED faults applied
     captures     what open captures recorded (steps, requests)
+    kv           (``kv=True`` only) the K/V bytes of every slot committed state relies on: each
+                 request's computed tokens and every slot of a cached prefix block, every layer
 
 Two digests are equal exactly when every part is; ``a.diff(b)`` names the parts that differ.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from ..extensions import provides
+import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +43,36 @@ class StateDigest:
         return f"StateDigest({self.hexdigest[:16]})"
 
 
+def committed_slots(manager, pool) -> list[int]:
+    """Every slot whose K/V committed state relies on: the computed tokens of every request
+    holding blocks, and every slot of a cached prefix block (ref count 0, hashed)."""
+    bs = manager.block_size
+    slots = set()
+    for rid in manager.request_ids():
+        table, n = manager.block_table(rid), manager.num_computed_tokens(rid)
+        slots.update(table[p // bs] * bs + p % bs for p in range(n))
+    for b in pool.blocks():
+        if b.ref_count == 0 and b.block_hash is not None:
+            slots.update(range(b.block_id * bs, (b.block_id + 1) * bs))
+    return sorted(slots)
+
+
+def kv_checksum(kv_cache, slots: list[int]) -> str:
+    """sha256 of the K/V bytes of ``slots`` in every layer (one device-to-host copy per layer)."""
+    h = hashlib.sha256(repr(slots).encode())
+    if slots:
+        index = torch.tensor(slots, dtype=torch.int64, device=kv_cache.keys[0].device)
+        for t in kv_cache.keys + kv_cache.values:
+            rows = t.view(-1, *t.shape[2:]).index_select(0, index)          # [slots, kv_heads, hd]
+            h.update(rows.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def _h(obj) -> str:
     return hashlib.sha256(repr(obj).encode()).hexdigest()
 
 
-@provides("session.state_digest")
-def state_digest(sess) -> StateDigest:
+def state_digest(sess, kv: bool = False) -> StateDigest:
     st = sess.state
     m, pool = st.manager, st.manager.pool
     reqs = tuple((r.id, r.status, tuple(r.prompt_token_ids), tuple(r.output_token_ids), r.num_computed_tokens,
@@ -78,4 +104,6 @@ def state_digest(sess) -> StateDigest:
         "faults": _h(None if faults is None else (faults.model, tuple(map(str, faults.applied)))),
         "captures": _h(captures),
     }
+    if kv:
+        parts["kv"] = kv_checksum(st.kv_cache, committed_slots(m, pool))
     return StateDigest(_h(sorted(parts.items())), parts)

@@ -20,7 +20,6 @@ import torch
 from ..cache.ledger import SlotCollision, SlotWrite
 from ..engine.request import DECODING, PREFILLING, Request
 from ..errors import InvalidRequestError
-from ..extensions import implementation, provides
 
 RUNNING = (PREFILLING, DECODING)
 
@@ -66,10 +65,10 @@ class SlotInfo:
         return "\n".join(self._lines())
 
     def _repr_html_(self) -> str:
-        return implementation("slot_info_html")(self)
+        from .report_views import slot_info_html
+        return slot_info_html(self)
 
 
-@provides("session.kv")
 class KVView:
     """The Session's KV cache with its bookkeeping; see the module docstring."""
 
@@ -170,7 +169,8 @@ class KVView:
                 f"{k.dtype}, {k.device}; {self.num_slots} slots, {len(self._engine.ledger)} written)")
 
     def _repr_html_(self) -> str:
-        return implementation("kv_html")(self)
+        from .report_views import kv_html
+        return kv_html(self)
 
 
 def slot_holders(manager, requests: dict, slot: int, block_size: int) -> tuple[tuple[int, int], ...]:

@@ -1,9 +1,8 @@
 """Text and HTML of the inspect records ``sess.blocks`` (``BlocksSnapshot``), ``inspect_slot``
-(``SlotDetail``) and ``topk`` (``TopK``). The records render themselves through these functions
-(registered in ``qwen_npu.extensions``); each gives the same string for the same record."""
+(``SlotDetail``) and ``topk`` (``TopK``). The records' ``__repr__`` and ``_repr_html_`` import these
+functions when called; each gives the same string for the same record."""
 from __future__ import annotations
 
-from ..extensions import provides
 from . import html as h
 from .blocks import FREE, BlockEntry, BlocksSnapshot
 from .slot_detail import SlotDetail
@@ -11,7 +10,6 @@ from .topk import TopK
 
 # ---- sess.blocks ---------------------------------------------------------------------------------
 
-@provides("blocks_text")
 def blocks_text(self: BlocksSnapshot) -> str:
     shown, more = self._shown()
     lines = [f"Blocks({self.summary()})"]
@@ -26,7 +24,6 @@ def blocks_text(self: BlocksSnapshot) -> str:
     return "\n".join(lines)
 
 
-@provides("blocks_html")
 def blocks_html(self: BlocksSnapshot) -> str:
     shown, more = self._shown()
     rows = [[h.esc(c) for c in _cells(e)] for e in shown]
@@ -60,7 +57,6 @@ def _state(d: SlotDetail) -> str:
     return "cached (ref count 0, reusable prefix)" if d.cached else "free"
 
 
-@provides("slot_detail_text")
 def slot_detail_text(d: SlotDetail) -> str:
     held = ", ".join(f"request {r} position {p}" for r, p in d.holders) or "nobody"
     hist = "; ".join(f"request {r} position {p} at step {s}" for r, p, s in d.history) or "never written"
@@ -69,7 +65,6 @@ def slot_detail_text(d: SlotDetail) -> str:
             f"  writes: {hist}\n  |K|/|V| by layer: {norms}")
 
 
-@provides("slot_detail_html")
 def slot_detail_html(d: SlotDetail) -> str:
     held = " ".join(f"{h.request_chip(r)} position {p}" for r, p in d.holders) or h.muted("nobody")
     rows = [(h.request_chip(r), str(p), str(s)) for r, p, s in d.history]
@@ -94,7 +89,6 @@ def _label(t: TopK, r: int, j: int) -> str:
     return f"{tok} {t.texts[r][j]!r}" if t.texts is not None else str(tok)
 
 
-@provides("topk_text")
 def topk_text(t: TopK) -> str:
     lines = [f"top-{len(t.token_ids[0]) if t.token_ids else 0} next tokens of step {t.step}"]
     for r, rid in enumerate(t.request_ids):
@@ -103,7 +97,6 @@ def topk_text(t: TopK) -> str:
     return "\n".join(lines)
 
 
-@provides("topk_html")
 def topk_html(t: TopK) -> str:
     rows = []
     for r, rid in enumerate(t.request_ids):

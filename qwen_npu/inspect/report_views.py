@@ -9,13 +9,11 @@ from __future__ import annotations
 import html
 
 from ..cache.slot_check import ranges_text
-from ..extensions import provides
 from . import html as h
 
 SHOWN = 20
 
 
-@provides("kv_html")
 def kv_html(kv) -> str:
     """``sess.kv``: the cache tensors' shape and size, what was written, and the block grid."""
     from .grid import block_grid_html
@@ -36,7 +34,6 @@ def kv_html(kv) -> str:
     return h.view("KV cache", body, subtitle=h.esc("[num_blocks, block_size, num_kv_heads, head_dim] per layer"))
 
 
-@provides("slot_info_html")
 def slot_info_html(info) -> str:
     """``sess.kv.slot(s)``: the last write, the holders, the history, collisions and faults."""
     if info.request_id is None:
@@ -57,7 +54,6 @@ def slot_info_html(info) -> str:
     return h.view(title, body)
 
 
-@provides("check_html")
 def check_html(report) -> str:
     """``sess.check()``: ok, or the problems by section."""
     summary = report._summary()
@@ -80,7 +76,6 @@ def _sections(report):
     return seen
 
 
-@provides("audit_html")
 def audit_html(report) -> str:
     """``sess.audit(request)``: per layer max |cached - recomputed| against the tolerance."""
     rows = []
@@ -100,7 +95,6 @@ def audit_html(report) -> str:
     return h.view("Audit", body, subtitle=h.esc(f"request {report.request_id}, {report.dtype}"))
 
 
-@provides("slot_report_html")
 def slot_report_html(report) -> str:
     """``SlotReport`` (the slot check of one dispatch) as a table; deterministic: no ids, no scripts."""
     if report.ok:
@@ -120,7 +114,6 @@ def slot_report_html(report) -> str:
             f"<tbody>{body}</tbody></table></div>")
 
 
-@provides("memory_report_html")
 def memory_report_html(report) -> str:
     """``sess.memory()`` as a two-column table."""
     cell = "<td style='text-align:left;padding:2px 6px'>{}</td>"

@@ -13,8 +13,6 @@ import dataclasses
 
 import torch
 
-from ..extensions import implementation
-
 
 @dataclasses.dataclass(frozen=True)
 class SlotDetail:
@@ -29,10 +27,12 @@ class SlotDetail:
     v_norms: tuple[float, ...]
 
     def __repr__(self) -> str:
-        return implementation("slot_detail_text")(self)
+        from .record_views import slot_detail_text
+        return slot_detail_text(self)
 
     def _repr_html_(self) -> str:
-        return implementation("slot_detail_html")(self)
+        from .record_views import slot_detail_html
+        return slot_detail_html(self)
 
 
 def inspect_slot(sess, slot: int) -> SlotDetail:

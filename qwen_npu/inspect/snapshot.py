@@ -15,7 +15,6 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-from ..extensions import implementation, provides
 from .blocks import take_blocks
 
 
@@ -58,10 +57,12 @@ class RequestSnapshot:
     block_size: int | None = None
 
     def __repr__(self) -> str:
-        return implementation("request_text")(self)
+        from .views import request_text
+        return request_text(self)
 
     def _repr_html_(self) -> str:
-        return implementation("request_html")(self)
+        from .views import request_html
+        return request_html(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +116,12 @@ class StepSnapshot:
         return {s: tuple(rs) for s, rs in sorted(rows.items()) if len(rs) > 1}
 
     def __repr__(self) -> str:
-        return implementation("step_text")(self)
+        from .step_view import step_text
+        return step_text(self)
 
     def _repr_html_(self) -> str:
-        return implementation("step_html")(self)
+        from .step_view import step_html
+        return step_html(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +140,12 @@ class SessionSnapshot:
         return dict(collections.Counter(r.status for r in self.requests))
 
     def __repr__(self) -> str:
-        return implementation("session_text")(self)
+        from .views import session_text
+        return session_text(self)
 
     def _repr_html_(self) -> str:
-        return implementation("session_html")(self)
+        from .views import session_html
+        return session_html(self)
 
 
 # ---- taking snapshots ------------------------------------------------------------------------------
@@ -159,7 +164,6 @@ def take_cache(manager) -> CacheSnapshot:
                          manager.num_free_blocks - num_cached, tuple(cells), manager.enable_prefix_cache, stats)
 
 
-@provides("take_request")
 def take_request(req, block_size: int | None = None) -> RequestSnapshot:
     """Copy a live Request (its text is decoded now). Without ``block_size``, the block size of
     the cache manager that keeps the request's block table is used, when it can be found."""
@@ -180,7 +184,6 @@ def logits_state(logits) -> str:
     return "stale" if logits.is_stale else "live view"
 
 
-@provides("take_step")
 def take_step(step, block_size: int | None = None) -> StepSnapshot:
     """Copy a StepResult (all host tensors; the device logits are described, not read)."""
     qlens = [int(q) for q in step.query_lens.tolist()]
@@ -216,7 +219,6 @@ def take_step(step, block_size: int | None = None) -> StepSnapshot:
         tuple((k, int(v)) for k, v in usage.items()), tuple(getattr(step, "row_kinds", None) or ()))
 
 
-@provides("session.snapshot")
 def take_session(sess) -> SessionSnapshot:
     """Copy everything the Session view shows."""
     mc, c = sess.model_config, sess.config

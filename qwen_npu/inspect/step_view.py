@@ -11,7 +11,6 @@ stale), never copied: their view moves no data across the host/device boundary.
 """
 from __future__ import annotations
 
-from ..extensions import provides
 from . import html as h
 from .grid import slot_strip_html, table_strip_html
 from .snapshot import StepSnapshot
@@ -63,7 +62,6 @@ def _timings(s: StepSnapshot) -> str:
     return ", ".join(f"{k} {h.fmt_ms(v)}" for k, v in s.timings)
 
 
-@provides("step_text")
 def step_text(s: StepSnapshot) -> str:
     head = f"StepResult(step {s.index}, {s.kind}, {_rows_note(s)}; {_tokens_note(s)})"
     rows = [(r.row, f"{r.request_id}{' (padding)' if r.padding else ''}{_row_tag(s, r)}", h.runs(r.positions),
@@ -85,7 +83,6 @@ def step_text(s: StepSnapshot) -> str:
     return "\n".join(lines)
 
 
-@provides("step_html")
 def step_html(s: StepSnapshot) -> str:
     dup = s.duplicate_slots()
     tables: dict[int, int] = {}
@@ -136,7 +133,6 @@ def logits_fields(logits) -> list[tuple[str, str]]:
             ("state", logits_state(logits))]
 
 
-@provides("logits_html")
 def logits_html(logits) -> str:
     f = logits_fields(logits)
     state = dict(f)["state"]

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 
 from ..errors import InvalidRequestError
-from ..extensions import implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +30,12 @@ class TopK:
         return list(zip(self.token_ids[i], self.probs[i]))
 
     def __repr__(self) -> str:
-        return implementation("topk_text")(self)
+        from .record_views import topk_text
+        return topk_text(self)
 
     def _repr_html_(self) -> str:
-        return implementation("topk_html")(self)
+        from .record_views import topk_html
+        return topk_html(self)
 
 
 def topk(step, k: int = 5, decode: Callable[[list[int]], str] | None = None) -> TopK:

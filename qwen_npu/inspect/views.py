@@ -7,7 +7,6 @@ status (the most relevant first, at most ``MAX_REQUEST_ROWS``), and the last ste
 """
 from __future__ import annotations
 
-from ..extensions import provides
 from . import html as h
 from .grid import block_grid_html, block_grid_text
 from .snapshot import CacheSnapshot, RequestSnapshot, SessionSnapshot
@@ -86,14 +85,12 @@ def requests_text(requests, *, limit: int = MAX_REQUEST_ROWS) -> str:
     return text + (f"\n  ... {len(ordered) - limit} more" if len(ordered) > limit else "")
 
 
-@provides("request_text")
 def request_text(r: RequestSnapshot) -> str:
     return (f"Request(id={r.id}, status={r.status!r}, prompt={len(r.prompt_token_ids)} tokens, "
             f"output={len(r.output_token_ids)} tokens, computed={r.num_computed_tokens}, "
             f"cached={r.num_cached_tokens}, blocks={list(r.block_table)}, finish_reason={r.finish_reason!r})")
 
 
-@provides("request_html")
 def request_html(r: RequestSnapshot) -> str:
     bs = r.block_size
     cells = []
@@ -127,7 +124,6 @@ def _status_counts(s: SessionSnapshot) -> str:
     return ", ".join(f"{by[k]} {k}" for k in STATUS_ORDER if k in by) or "none"
 
 
-@provides("session_text")
 def session_text(s: SessionSnapshot) -> str:
     model = ", ".join(f"{k} {v}" for k, v in s.model)
     settings = ", ".join(f"{k}={v}" for k, v in s.settings)
@@ -142,7 +138,6 @@ def session_text(s: SessionSnapshot) -> str:
     return "\n".join(lines)
 
 
-@provides("session_html")
 def session_html(s: SessionSnapshot) -> str:
     model = h.fields((k, h.esc(v)) for k, v in s.model)
     settings = h.fields((k, h.esc(v)) for k, v in s.settings)
@@ -157,7 +152,6 @@ def session_html(s: SessionSnapshot) -> str:
     return h.view(f"Session {s.model_name}", body)
 
 
-@provides("closed_session_html")
 def closed_session_html(sess) -> str:
     """A closed Session: its one-line repr."""
     return f"<div>{h.esc(repr(sess))}</div>"

@@ -15,6 +15,7 @@ straight from the files, with the q/k/v and gate/up projections of each layer ba
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError, InvalidRequestError
 from .arena import WeightArena, plan_layout
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -96,9 +98,9 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str | None = None,
         ``WeightArena`` (from ``arena.MIN_ARENA_BYTES`` of weights, where Linux lets huge pages be
         asked for; ordinary tensors otherwise), and the members of each ``FUSED_GROUPS`` group of
         a layer lie back to back in it; peak memory is the arena plus one tensor being read.
-    Raises CheckpointError naming the file (and the tensor) for a missing config, a pickle-only
-    checkpoint, a corrupt or truncated safetensors file, an index naming a missing shard, a missing
-    tensor or a tensor of the wrong shape.
+    Raises CheckpointError naming the file (and the tensor) for a missing or invalid config, a
+    pickle-only checkpoint, a corrupt or truncated safetensors file, an index naming a missing shard,
+    a missing tensor, a tensor of the wrong shape, or tensors of layers beyond ``num_hidden_layers``.
     """
     root = Path(path)
     if not root.is_dir():
@@ -109,6 +111,7 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str | None = None,
     sources = _tensor_sources(root)                     # tensor name -> file holding it
     listing = root / (INDEX_FILE if (root / INDEX_FILE).is_file() else SINGLE_FILE)
 
+    _check_no_extra_layers(sources, cfg, listing)
     wanted = [n for n in shapes if n in sources]
     missing = [n for n in shapes if n not in sources]
     if missing == ["lm_head.weight"] and cfg.tie_word_embeddings:
@@ -131,6 +134,18 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str | None = None,
     if "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return cfg, out
+
+
+def _check_no_extra_layers(sources: dict[str, Path], cfg: ModelConfig, listing: Path) -> None:
+    """Refuse files that hold layers past ``num_hidden_layers``: config.json and the weights disagree,
+    and running the first layers alone would silently compute another model."""
+    extra = sorted({int(m.group(1)) for n in sources if (m := _LAYER.match(n))
+                    and int(m.group(1)) >= cfg.num_hidden_layers})
+    if extra:
+        example = next(n for n in sources if n.startswith(f"model.layers.{extra[0]}."))
+        raise CheckpointError(f"{listing}: holds tensors of layers {extra[0]}..{extra[-1]} (e.g. {example!r}), "
+                              f"but config.json says num_hidden_layers={cfg.num_hidden_layers}; fix "
+                              f"num_hidden_layers in config.json to the number of layers stored")
 
 
 def arena_groups(names: list[str]) -> list[list[str]]:

@@ -26,7 +26,6 @@ import dataclasses
 import torch
 
 from ..errors import InvalidRequestError
-from ..extensions import provides
 from ..inspect import html as H
 from ..kernels import get_kernels
 from ..kernels.metadata import AttentionMetadata
@@ -106,7 +105,6 @@ class AttentionPattern:
         return H.pre(repr(self))
 
 
-@provides("session.attention")
 def attention_pattern(sess, request, layer: int, head=None, positions=None) -> AttentionPattern:
     """See the module docstring; arguments are checked before anything runs."""
     mc = sess.model_config

@@ -18,8 +18,14 @@ Options (all checked before the block opens):
     offload="host"          copy what is kept to host memory (pinned when the device allows),
                             non_blocking: no host sync in the step; the first read waits for it
     budget=bytes            refuse the block (estimate) or a step (exact) that would keep more
-    on_step=fn              streaming: fn(CaptureSlice) per name and row as the forward reaches it;
+    on_step=fn              streaming: fn(CaptureSlice) per name and row of every step, called
+                            after the step commits (the session's state whole), in forward order;
                             nothing is kept (offloaded slices: ``slice.wait()`` before reading)
+
+A step whose ``on_step`` raises has already committed: the callback still receives every other
+slice of the step, then one ``CaptureCallbackError`` names the step and the slices that raised
+(chained from the first exception); the session stays usable. Ctrl-C inside the callback stops
+the deliveries at once.
 
 "final_norm" and "logits" have one row per request row that produced logits (its last token).
 "attn.scores" rows are cut to the keys the row's last chosen token sees. A request admitted inside
@@ -32,11 +38,11 @@ import dataclasses
 
 import torch
 
-from ..errors import InvalidRequestError
-from ..extensions import provides
+from ..errors import CaptureCallbackError, InvalidRequestError
 from ..inspect.html import fmt_bytes
 from . import capture_memory, hooks
 from .capture_views import CaptureViews, pad_keys
+from .entry import HookEntry
 
 
 @dataclasses.dataclass
@@ -83,8 +89,7 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-@provides("session.capture")
-class Capture(CaptureViews):
+class Capture(CaptureViews, HookEntry):
     """Recorded activations by (step, request, name); a context manager (see module docstring)."""
 
     is_capture = True
@@ -197,7 +202,7 @@ class Capture(CaptureViews):
     def begin_step(self, plan) -> None:
         self._staged = _Staged()
         self._last = {row.request.id: row.end - 1 for row in plan.rows[:plan.num_active]}
-        self._row_kinds = {row.request.id: row.phase for row in plan.rows[:plan.num_active]}
+        self._row_kinds = {row.request.id: row.kind for row in plan.rows[:plan.num_active]}
         self._selections: dict[int, tuple[list, _Selection | None]] = {}
 
     def _select(self, spans, device) -> _Selection | None:
@@ -285,10 +290,18 @@ class Capture(CaptureViews):
         self._staged, self._staged_seen = _Staged(slices=staged.slices), None
 
     def after_commit(self) -> None:
-        """Hand the committed step's slices to ``on_step`` (user code runs with the state whole)."""
+        """Hand every slice of the committed step to ``on_step`` (user code, the state whole), even
+        those after a slice whose call raised; then raise one CaptureCallbackError for them."""
         slices, self._staged.slices = self._staged.slices, []
+        failures = []
         for piece in slices:
-            self.on_step(piece)
+            try:
+                self.on_step(piece)
+            except Exception as err:         # reported once every slice was delivered
+                failures.append((f"{piece.name} of request {piece.request_id} (positions "
+                                 f"{_positions_text(piece.positions)})", err))
+        if failures:
+            raise CaptureCallbackError(slices[0].step, failures, len(slices)) from failures[0][1]
 
     def _fold(self) -> None:
         """Add the committed per-step sums of ``mean_positions`` into the totals."""
@@ -342,6 +355,10 @@ def _positions(positions):
         raise InvalidRequestError(f"capture: positions={positions!r}; use None (all), 'last', 'generated', "
                                   f"or absolute positions (ints >= 0)")
     return "absolute", got
+
+
+def _positions_text(positions: list[int]) -> str:
+    return ", ".join(map(str, positions)) if len(positions) <= 4 else f"{positions[0]}..{positions[-1]}"
 
 
 def _can_pin() -> bool:

@@ -71,8 +71,8 @@ def capture_overhead(sess, *, batch: int = 16, prompt_len: int = 32, rounds: int
 
 
 def main(argv=None) -> None:
-    from ..bench import ensure_default_model
-    from ..session import Session
+    from ..tools.bench import ensure_default_model
+    from ..session.session import Session
     argv = sys.argv[1:] if argv is None else argv
     path = ensure_default_model(argv[0] if argv else None, log=print)
     sess = Session.from_pretrained(path, device="cpu", max_batch=16, max_model_len=256, prefix_cache=False)

@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from ..engine.engine import check_not_pending
+from ..engine.step import check_not_pending
 from ..engine.request import PREFILLING, WAITING, SamplingParams
 from ..errors import InvalidRequestError
 from ..inspect import html as H

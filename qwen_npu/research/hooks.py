@@ -18,8 +18,13 @@ Order at one hook point: interventions in the order their blocks were entered, t
 so a capture records the value the forward goes on with. The forward calls the hook only at the
 points some entry names (``StepHook.wants``), so "attn.scores" is built only when asked for.
 
-The prefix cache: while entries are open, ``HookSet.prefix_limit`` tells the cache manager how
-many leading tokens a request admitted now may take from the cache (the first position an entry
+``HookSet`` is the engine's ``StepHooks`` and ``StepHook`` its per-step hook
+(``qwen_npu/engine/hooks.py``); every entry is a ``HookEntry`` (``entry.py``), so the set calls
+each step method on every entry. ``after_commit`` hands every entry its turn even when one
+raises, then raises one ``CaptureCallbackError`` for the step.
+
+The prefix cache: while entries are open, ``HookSet.prefix_limit`` tells the scheduler (through
+the step's draft) how many leading tokens a request admitted now may take from the cache (the first position an entry
 wants to see or edit, rounded down to a block), so those positions are recomputed inside the
 block instead of silently skipped. An entry that wants a position its request computed before
 (and will not compute again) refuses the step before it runs (``check_step``).
@@ -31,8 +36,9 @@ import fnmatch
 
 import torch
 
-from ..errors import InvalidRequestError
-from ..model.qwen3 import capture_names
+from ..engine import hooks as engine_hooks
+from ..errors import CaptureCallbackError, InvalidRequestError
+from ..model.hooks import capture_names
 
 ROW_NAMES = ("final_norm", "logits")       # one row per logits row, not one per token
 
@@ -78,7 +84,6 @@ def attach(engine, entry) -> None:
     hooks = engine.hook
     if hooks is None:
         hooks = engine.hook = HookSet()
-        engine.manager.prefix_limit = hooks.prefix_limit
     elif not isinstance(hooks, HookSet):
         raise InvalidRequestError(f"the engine already runs another hook ({hooks!r}); remove it first")
     hooks.entries.append(entry)
@@ -90,7 +95,6 @@ def detach(engine, entry) -> None:
         hooks.entries = [e for e in hooks.entries if e is not entry]
         if not hooks.entries:
             engine.hook = None
-            engine.manager.prefix_limit = None
 
 
 def wants_request(entry, request_id: int) -> bool:
@@ -133,11 +137,12 @@ def staged_seen(entry, plan, what: str) -> dict[int, set[int]]:
     return seen
 
 
-class HookSet:
+class HookSet(engine_hooks.StepHooks):
     """The active captures and interventions of one engine, in the order they were entered."""
 
     def __init__(self):
-        self.entries: list = []
+        self.entries: list = []          # HookEntry
+        self.committed: int | None = None   # the step the last commit_step published
 
     def begin_step(self, plan) -> StepHook:
         entries = sorted(self.entries, key=lambda e: e.is_capture)      # stable: interventions first
@@ -150,17 +155,28 @@ class HookSet:
     def commit_step(self, index: int) -> None:
         """The step ``index`` committed: entries publish what they staged for it (plain
         assignments only: this runs inside the commit)."""
+        self.committed = index
         for e in self.entries:
-            publish = getattr(e, "commit_step", None)
-            if publish is not None:
-                publish(index)
+            e.commit_step(index)
 
     def after_commit(self) -> None:
-        """After the commit, with the state whole: entries call user code (streaming callbacks)."""
-        for e in self.entries:
-            deliver = getattr(e, "after_commit", None)
-            if deliver is not None:
-                deliver()
+        """After the commit, with the state whole: entries call user code (streaming callbacks).
+
+        Every entry gets its turn even when one raises; then one ``CaptureCallbackError`` names the
+        committed step and every failure (chained from the first). Ctrl-C is not held back here."""
+        failures, delivered, first = [], 0, None
+        for e in list(self.entries):
+            try:
+                e.after_commit()
+            except CaptureCallbackError as err:
+                failures += err.failures
+                delivered += err.delivered
+                first = first or err.__cause__ or err
+            except Exception as err:         # reported below, once every entry had its turn
+                failures.append((repr(e), err))
+                first = first or err
+        if failures:
+            raise CaptureCallbackError(self.committed, failures, delivered) from first
 
     def prefix_limit(self, request_id: int) -> int | None:
         """The most leading tokens a request admitted now may take from the prefix cache."""
@@ -181,7 +197,7 @@ class Span:
         self.request_id, self.start, self.end, self.positions = request_id, start, end, positions
 
 
-class StepHook:
+class StepHook(engine_hooks.StepHook):
     """The model hook of one step: splits each tensor by row and hands it to the entries."""
 
     def __init__(self, plan, entries):
@@ -203,7 +219,7 @@ class StepHook:
         as private on its draft, so their blocks are never published to the prefix cache."""
         out: dict[int, str] = {}
         for e in self.entries:
-            for rid, why in getattr(e, "staged_private", {}).items():
+            for rid, why in e.private_requests().items():
                 out.setdefault(rid, why)
         return out
 

@@ -32,12 +32,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidRequestError
-from ..extensions import provides
 from . import hooks
+from .entry import HookEntry
 
 
-@provides("session.intervene")
-class Intervention:
+class Intervention(HookEntry):
     """One edit, active inside its ``with`` block (see module docstring)."""
 
     is_capture = False
@@ -90,6 +89,9 @@ class Intervention:
 
     def begin_step(self, plan) -> None:
         self._staged_edits, self.staged_private = 0, {}
+
+    def private_requests(self) -> dict[int, str]:
+        return self.staged_private
 
     def commit_step(self, index: int) -> None:
         if self._staged_seen is not None:

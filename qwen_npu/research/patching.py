@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from ..engine.engine import check_not_pending
+from ..engine.step import check_not_pending
 from ..engine.request import SamplingParams
 from ..errors import InvalidRequestError
 from ..inspect import html as H

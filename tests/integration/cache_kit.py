@@ -106,14 +106,14 @@ def record_dispatch(sess: Session, monkeypatch) -> list:
     """Record ``(plan, blocks)`` at the moment each step is dispatched (before the forward): the
     blocks as the step's plan booked them (its draft, which the step's commit publishes)."""
     from qwen_npu.inspect.blocks import take_blocks
+    import qwen_npu.engine.step as step_module
     seen = []
-    engine = sess.state.engine
-    original = engine.run
+    original = step_module.check
 
-    def run(plan, draft, *args, **kwargs):
+    def check(engine, plan, requests, draft, *args, **kwargs):      # runs just before the dispatch
         tokens = {r.id: r.all_token_ids for r in sess.requests if draft.manager.has(r.id)}
         seen.append((plan, take_blocks(draft.manager, tokens, plan.index)))
-        return original(plan, draft, *args, **kwargs)
+        return original(engine, plan, requests, draft, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "run", run)
+    monkeypatch.setattr(step_module, "check", check)
     return seen

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-import qwen_npu.session_steps as session_module
+import qwen_npu.engine.step as session_module
 from qwen_npu import SamplingParams, Session
 from qwen_npu.cache.slot_check import CHECKS
 

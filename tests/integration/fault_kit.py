@@ -14,35 +14,43 @@ from qwen_npu.engine.transaction import inject_faults
 
 
 class _ForwardPoints:
-    """Stands in for the engine's step hook: reports each forward hook point, then delegates."""
+    """Stands in for the engine's step hooks: reports each forward hook point, then delegates."""
 
     def __init__(self, inner, on_point):
-        self.inner = inner
+        self.inner = inner              # the engine's StepHooks (a HookSet) or None
         self.on_point = on_point
         self.entries = getattr(inner, "entries", [])
 
     def begin_step(self, plan):
-        inner = self.inner
-        if inner is not None and hasattr(inner, "begin_step"):
-            inner = inner.begin_step(plan)
-
-        def hook(name, x):
-            self.on_point("fwd:" + name)
-            return inner(name, x) if inner is not None else None
-        private = getattr(inner, "private_requests", None)
-        if private is not None:
-            hook.private_requests = private
-        return hook
+        return _PointHook(self.inner.begin_step(plan) if self.inner is not None else None, self.on_point)
 
     def commit_step(self, index):
-        publish = getattr(self.inner, "commit_step", None)
-        if publish is not None:
-            publish(index)
+        if self.inner is not None:
+            self.inner.commit_step(index)
 
     def after_commit(self):
-        deliver = getattr(self.inner, "after_commit", None)
-        if deliver is not None:
-            deliver()
+        if self.inner is not None:
+            self.inner.after_commit()
+
+    def prefix_limit(self, request_id):
+        return self.inner.prefix_limit(request_id) if self.inner is not None else None
+
+
+class _PointHook:
+    """A step's forward hook that wants every point: reports it, then hands it to the inner one."""
+
+    def __init__(self, inner, on_point):
+        self.inner, self.on_point = inner, on_point
+
+    def wants(self, name):
+        return True
+
+    def __call__(self, name, x):
+        self.on_point("fwd:" + name)
+        return self.inner(name, x) if self.inner is not None and self.inner.wants(name) else None
+
+    def private_requests(self):
+        return self.inner.private_requests() if self.inner is not None else {}
 
 
 @contextlib.contextmanager

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from qwen_npu import bench_floors, workloads
-from qwen_npu.bench import run_bench
-from qwen_npu.cli import main
+from qwen_npu.tools import bench_floors
+from qwen_npu.tools import workloads
+from qwen_npu.tools.bench import run_bench
+from qwen_npu.tools.cli import main
 from qwen_npu.errors import InvalidRequestError
 
 SHARED_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "peers" / "workloads.py"

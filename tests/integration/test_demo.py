@@ -1,8 +1,8 @@
 """`qwen-npu demo` runs, tells a coherent story, and the shipped model writes English."""
 import re
 
-from qwen_npu.cli import main
-from qwen_npu.demo import MAX_NEW, PROMPTS
+from qwen_npu.tools.cli import main
+from qwen_npu.tools.demo import MAX_NEW, PROMPTS
 
 
 def test_demo_tour_output_makes_sense(capsys):

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from qwen_npu import InvalidRequestError, SamplingParams, Session, load_dump
-from qwen_npu.cli import main
+from qwen_npu.tools.cli import main
 
 
 def open_session(path, **kw):

@@ -5,7 +5,8 @@ import weakref
 
 import pytest
 
-from qwen_npu import InvalidRequestError, SamplingParams, Session, StaleOutputError, memory
+from qwen_npu import InvalidRequestError, SamplingParams, Session, StaleOutputError
+from qwen_npu.session import memory
 from qwen_npu.cache.kv_cache import bytes_per_block
 
 ARGS = dict(device="cpu", max_batch=2, block_size=4, max_model_len=64)

@@ -144,7 +144,7 @@ def test_views_dumps_and_captures_of_a_mixed_step(ckpt, tmp_path, capsys):
     import json
 
     from qwen_npu import load_dump
-    from qwen_npu.cli import main
+    from qwen_npu.tools.cli import main
 
     sess = open_session(ckpt, mixed_steps=True, chunk_size=6)
     ps = prompts(LENS)

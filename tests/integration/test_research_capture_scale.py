@@ -5,6 +5,7 @@ import torch
 from research_kit import TOL, greedy, make_ckpt, open_session, sequences
 
 from qwen_npu import InvalidRequestError
+from qwen_npu.errors import CaptureCallbackError
 from qwen_npu.research import mean_positions, norm, topk_logits
 
 NAMES = ["layers.1.attn.q", "layers.2.residual", "logits"]
@@ -134,3 +135,34 @@ def test_streaming_hands_every_slice_to_the_callback_and_keeps_nothing(ckpt, ful
             positions = [p for ps, _ in parts for p in ps]
             assert positions == everything.positions(req, name)
             assert torch.equal(torch.cat([t for _, t in parts]), everything.stack(name, req))
+
+
+def test_a_raising_callback_still_gets_every_other_slice_and_the_step_stays_committed(ckpt, full):
+    _, reqs, everything = full
+    sess = open_session(ckpt, prefix_cache=False)
+    live = [sess.add_request(p, greedy(4)) for p in sequences(LENS, seed=5)]
+    got, calls = [], []
+
+    def on_step(s):
+        calls.append((s.step, s.request_id, s.name))
+        if len(calls) == 1:                      # the first slice of the first step
+            raise ValueError("boom")
+        got.append((s.step, s.request_id, s.name, s.tensor.clone()))
+
+    with sess.capture(NAMES, on_step=on_step):
+        history, index = len(sess.history), sess.state.step_index
+        with pytest.raises(CaptureCallbackError, match=rf"step {index} committed.*raised for 1 of its "
+                           rf"(\d+) slices: layers\.1\.attn\.q of request {live[0].id}.*ValueError: boom") as e:
+            sess.step()
+        assert isinstance(e.value.__cause__, ValueError) and e.value.step == index
+        assert len(sess.history) == history + 1 and sess.state.step_index == index + 1   # committed
+        first_step = [c for c in calls if c[0] == index]
+        assert len(first_step) == e.value.delivered == 1 + len([g for g in got if g[0] == index]) > 1
+        while not all(r.is_done for r in live):     # the session goes on, the capture still streams
+            sess.step()
+    assert [r.output_token_ids for r in live] == [r.output_token_ids for r in reqs]
+    for step, rid, name, tensor in got:
+        req = {r.id: i for i, r in enumerate(live)}[rid]
+        want = everything.get(name, step=step, request=reqs[req])
+        assert torch.equal(tensor, want)
+    assert sess.check().ok

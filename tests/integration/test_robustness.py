@@ -3,7 +3,7 @@ import pytest
 from cache_kit import assert_no_leaks, assert_same_outputs, run_logits
 from session_kit import greedy, make_untied, open_session, prompts, state
 
-import qwen_npu.session_steps
+import qwen_npu.engine.step
 from qwen_npu import InvalidRequestError, SlotCollisionError
 from qwen_npu.cache.manager import PrefixCacheStats
 
@@ -103,7 +103,7 @@ def test_reset_returns_the_session_to_its_initial_state(ckpt):
 def test_a_step_refused_by_the_slot_check_leaves_every_request_runnable(ckpt, monkeypatch):
     want = run_logits(open_session(ckpt, block_size=4), plan_of(25))
     sess = open_session(ckpt, block_size=4)
-    real = qwen_npu.session_steps.build_plan
+    real = qwen_npu.engine.step.build_plan
     broken = []
 
     def build_plan(kind, *args, **kwargs):
@@ -113,7 +113,7 @@ def test_a_step_refused_by_the_slot_check_leaves_every_request_runnable(ckpt, mo
             broken.append(plan.index)
         return plan
 
-    monkeypatch.setattr(qwen_npu.session_steps, "build_plan", build_plan)
+    monkeypatch.setattr(qwen_npu.engine.step, "build_plan", build_plan)
     reqs = [sess.add_request(p, sp) for _, p, sp in plan_of(25)[:2]]
     sess.step()
     before = state(sess)

@@ -1,10 +1,13 @@
 """Bad input: each call fails with a clear InvalidRequestError before any state changes, and the
 session stays usable (a normal generate still runs afterwards)."""
 import math
+import shutil
 
 import pytest
+import torch
 
-from qwen_npu import InvalidRequestError, SamplingParams, Session
+from qwen_npu import CheckpointError, InvalidRequestError, SamplingParams, Session
+from qwen_npu.testing import make_tiny_qwen3
 from session_kit import greedy, open_session, prompts, state
 
 MAX_LEN = 40
@@ -32,7 +35,12 @@ BAD_SAMPLING = [
     ("top_p", NAN), ("top_p", 0.0), ("top_p", -0.1), ("top_p", 1.5),
     ("top_k", -1), ("top_k", NAN), ("top_k", 2.5),
     ("max_new_tokens", -1), ("max_new_tokens", 0), ("max_new_tokens", NAN), ("max_new_tokens", 2.0),
-    ("seed", -3),
+    ("seed", -3), ("seed", 2**64), ("seed", True), ("seed", 1.0),
+    ("temperature", 1e-38), ("temperature", 5e-6), ("temperature", True),
+    ("max_new_tokens", True), ("top_k", True), ("min_new_tokens", True), ("logprobs", False),
+    ("ignore_eos", "no"), ("ignore_eos", 1),
+    ("stop_token_ids", ["a"]), ("stop_token_ids", ("a",)), ("stop_token_ids", 5), ("stop_token_ids", "5"),
+    ("stop_token_ids", [True]), ("stop_token_ids", [1.0]),
 ]
 
 
@@ -59,6 +67,11 @@ BAD_PROMPTS = [
     ("nested", [[1, 2]], "int"),
     ("None", None, "list of int"),
     ("text without tokenizer", "hello", "no tokenizer"),
+    ("bytes", b"hello", "not bytes; decode bytes to str first"),
+    ("set of ids", {1, 2, 3}, "list of int token ids .* not set"),
+    ("dict", {1: 2}, "not dict"),
+    ("2-D tensor", torch.tensor([[1, 2, 3]]), r"1-D token ids, not shape \[1, 3\]"),
+    ("0-D tensor", torch.tensor(3), "1-D token ids"),
     ("too long", list(range(MAX_LEN)), "max_model_len=40"),
 ]
 
@@ -185,7 +198,126 @@ def test_text_prompt_with_tokenizer(tiny_ckpt):
     (dict(max_batch=0), "max_batch=0"),
     (dict(chunk_size=0), "chunk_size=0"),
     (dict(chunk_size=2.5), "chunk_size=2.5"),
+    (dict(block_size=0), "block_size=0 must be None .* or an int >= 1"),
+    (dict(block_size=-4), "block_size=-4 must be"),
+    (dict(max_model_len=0), "max_model_len=0 must be"),
+    (dict(max_model_len=-1), "max_model_len=-1 must be"),
+    (dict(num_blocks=0), "num_blocks=0 must be"),
+    (dict(max_batch=True), "max_batch=True must be an int"),
+    (dict(prefix_cache="no"), "prefix_cache='no' must be True or False"),
+    (dict(deterministic=1), "deterministic=1 must be True or False"),
+    (dict(device_outputs="0"), "device_outputs='0' must be True or False"),
+    (dict(sync_timings=0), "sync_timings=0 must be True or False"),
+    (dict(kernels="fast"), "kernels='fast' must be one of"),
+    (dict(dtype="int8"), "dtype 'int8' is not supported"),
+    (dict(kv_memory="lots"), "kv_memory='lots'"),
+    (dict(num_blocks=8, kv_memory="1MiB"), "num_blocks or kv_memory, not both"),
 ])
 def test_bad_session_arguments(tiny_ckpt_small_vocab, kw, why):
     with pytest.raises(InvalidRequestError, match=why):
         Session.from_pretrained(tiny_ckpt_small_vocab, device="cpu", **kw)
+
+
+def test_a_session_option_refusal_reads_nothing(tmp_path):
+    with pytest.raises(InvalidRequestError, match="block_size=0"):
+        Session.from_pretrained(tmp_path / "no such folder", block_size=0)
+
+
+def test_an_unknown_sampling_key_is_named_with_its_close_match(busy):
+    before = state(busy)
+    with pytest.raises(InvalidRequestError, match="unknown SamplingParams field 'max_tokens'; did you mean 'max_new_tokens'"):
+        busy.add_request(GOOD, {"max_tokens": 3})
+    with pytest.raises(InvalidRequestError, match="unknown SamplingParams field 'temprature'"):
+        busy.generate([GOOD, GOOD], [greedy(2), {"temprature": 0.5}], progress=False)
+    still_usable(busy, before)
+
+
+def test_a_seed_too_large_for_a_generator_queues_nothing(busy):
+    before = state(busy)
+    sampled = SamplingParams(max_new_tokens=2, temperature=1.0, seed=2**64 - 1)     # the largest seed runs
+    with pytest.raises(InvalidRequestError, match=r"seed=18446744073709551616: must be None or an int in \[0, 2\*\*64\)"):
+        busy.generate([GOOD, GOOD], [sampled, {"temperature": 1.0, "seed": 2**64}], progress=False)
+    still_usable(busy, before)
+    assert len(busy.generate([GOOD], sampled, progress=False)[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("prompts_arg, why", [({1, 2, 3}, "not set"), (b"hi", "not bytes"), (7, "not int"),
+                                              (None, "not NoneType")])
+def test_generate_refuses_what_is_no_prompt_nor_a_list_of_them(busy, prompts_arg, why):
+    before = state(busy)
+    with pytest.raises(InvalidRequestError, match=why):
+        busy.generate(prompts_arg, greedy(2), progress=False)
+    still_usable(busy, before)
+
+
+def edited_copy(src, dst, file="config.json", **fields):
+    """A copy of checkpoint ``src`` with ``fields`` set in its JSON ``file``."""
+    import json
+    shutil.copytree(src, dst)
+    d = json.loads((dst / file).read_text())
+    d.update(fields)
+    (dst / file).write_text(json.dumps(d))
+    return dst
+
+
+@pytest.mark.parametrize("fields, why", [
+    (dict(num_hidden_layers=-1), "field 'num_hidden_layers' is -1; it must be an int >= 1"),
+    (dict(num_hidden_layers=0), "field 'num_hidden_layers' is 0"),
+    (dict(hidden_size="abc"), "field 'hidden_size' is 'abc'; it must be an int >= 1"),
+    (dict(vocab_size=512.5), "field 'vocab_size' is 512.5"),
+    (dict(num_key_value_heads=3), "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    (dict(rms_norm_eps="tiny"), "field 'rms_norm_eps' is 'tiny'"),
+    (dict(tie_word_embeddings="yes"), "field 'tie_word_embeddings' is 'yes'"),
+])
+def test_a_bad_config_field_is_a_checkpoint_error_naming_file_and_field(tiny_ckpt_small_vocab, tmp_path, fields, why):
+    ckpt = edited_copy(tiny_ckpt_small_vocab, tmp_path / "ckpt", **fields)
+    with pytest.raises(CheckpointError, match="config.json: " + why):
+        Session.from_pretrained(ckpt, device="cpu")
+
+
+def test_a_bad_generation_config_eos_names_that_file(tiny_ckpt_small_vocab, tmp_path):
+    ckpt = edited_copy(tiny_ckpt_small_vocab, tmp_path / "ckpt", "generation_config.json", eos_token_id="end")
+    with pytest.raises(CheckpointError, match="generation_config.json: field 'eos_token_id' is 'end'"):
+        Session.from_pretrained(ckpt, device="cpu")
+
+
+def test_weights_of_more_layers_than_the_config_says_are_refused(tmp_path):
+    ckpt = make_tiny_qwen3(tmp_path / "four", vocab_size=512, num_hidden_layers=4)
+    edited = edited_copy(ckpt, tmp_path / "two", num_hidden_layers=2)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: holds tensors of layers 2..3 .*"
+                                              r"num_hidden_layers=2"):
+        Session.from_pretrained(edited, device="cpu")
+
+
+@pytest.mark.parametrize("file, text, why", [
+    ("tokenizer.json", "{not json", "tokenizer.json: not a readable tokenizer file"),
+    ("tokenizer.json", '{"version": "1.0"}', "tokenizer.json: not a readable tokenizer file"),
+    ("tokenizer_config.json", "{not json", "tokenizer_config.json: not valid JSON"),
+    ("tokenizer_config.json", "[1, 2]", "tokenizer_config.json: must hold a JSON object"),
+    ("tokenizer_config.json", '{"chat_template": 5}', "tokenizer_config.json: field 'chat_template' must be"),
+])
+def test_a_corrupt_tokenizer_file_is_a_checkpoint_error_naming_it(tiny_ckpt, tmp_path, file, text, why):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    (ckpt / file).write_text(text)
+    with pytest.raises(CheckpointError, match=why):
+        Session.from_pretrained(ckpt, device="cpu")
+
+
+def test_a_refused_generate_on_a_fork_leaves_it_as_it_was(tiny_ckpt_small_vocab):
+    sess = open_session(tiny_ckpt_small_vocab, block_size=4, num_blocks=6, max_model_len=32, chunk_size=8)
+    held = sess.add_request(list(range(1, 18)), greedy(6))   # 17 + 6 tokens: 6 blocks, all of the cache
+    while held.status != "decoding":
+        sess.step()
+    child = sess.fork()
+    for r in child.requests:
+        child.abort(r)
+    before, digest = state(child), child.state_digest()
+    with pytest.raises(InvalidRequestError, match=f"other branches of this fork hold: request {held.id}"):
+        child.generate([list(range(30, 40)), list(range(40, 45))], greedy(4), progress=False)
+    assert state(child) == before and child.state_digest() == digest
+    assert not [r for r in child.requests if not r.is_done]
+    while not held.is_done:
+        sess.step()
+    (done,) = child.generate([list(range(30, 40))], greedy(4), progress=False)
+    assert len(done.token_ids) == 4 and [r.id for r in child.requests if r.status == "waiting"] == []

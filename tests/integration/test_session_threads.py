@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from qwen_npu.inspect.digest import state_digest as digest_of
+
 from qwen_npu import Session
 from qwen_npu.engine.request import SamplingParams
 from qwen_npu import SessionBusyError
@@ -32,13 +34,15 @@ def test_a_second_thread_is_refused_at_once_and_changes_nothing(tiny_ckpt, call)
     worker.start()
     try:
         assert started.wait(30)
-        digest = sess.state_digest()
+        digest = digest_of(sess)                                 # read without the gate the cell holds
+        with pytest.raises(SessionBusyError, match=r"cannot run state_digest\(\)"):
+            sess.state_digest()                                  # a read waits for nothing either
         args = {"add_request": ("z",), "abort": (other,)}.get(call, ())
         t0 = time.perf_counter()
         with pytest.raises(SessionBusyError, match=rf"cannot run {call}\(\).*generate\(\).*'cell'"):
             getattr(sess, call)(*args)
         assert time.perf_counter() - t0 < 5                      # refused, not queued
-        assert sess.state_digest() == digest
+        assert digest_of(sess) == digest
     finally:
         release.set()
         worker.join(60)

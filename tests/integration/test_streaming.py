@@ -2,7 +2,7 @@
 import pytest
 
 from qwen_npu import SamplingParams, Session
-from qwen_npu.streaming import TextIncrements
+from qwen_npu.session.streaming import TextIncrements
 
 # byte-level tokens that split characters: "🦜" = [123918, 250], "🫠" = [9284, 104, 254]
 FORCED = [108386, 123918, 250, 99489, 9284, 104, 254, 220, 123918, 250, 13]   # 你好🦜世界🫠 🦜.

@@ -239,7 +239,7 @@ def test_auto_choice_follows_the_cpus_bf16_support(fresh_state, monkeypatch, fla
 
 def test_build_kernels_command_builds_ahead_of_time_and_reports_failures(real_extension, tmp_path, monkeypatch,
                                                                           capsys):
-    from qwen_npu.cli import main
+    from qwen_npu.tools.cli import main
     library = real_extension.library                        # built, so the command only loads it
     assert main(["build-kernels", "--no-progress"]) == 0
     out = capsys.readouterr().out

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_npu import bench_floors
+from qwen_npu.tools import bench_floors
 from qwen_npu.testing import make_tiny_qwen3
 
 

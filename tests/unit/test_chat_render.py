@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from qwen_npu import InvalidRequestError
-from qwen_npu.chat import apply_chat_template
+from qwen_npu.text.chat import apply_chat_template
 
 TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m.role }}: {{ m.content | tojson }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant{% if enable_thinking is defined and not enable_thinking %}"

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from qwen_npu import cli
+from qwen_npu.tools import cli
 
 
 def test_every_subcommand_is_listed(capsys):
@@ -18,14 +18,14 @@ def test_every_subcommand_is_listed(capsys):
 
 
 def test_a_subcommand_that_fails_to_import_says_why(monkeypatch, capsys):
-    monkeypatch.delitem(sys.modules, "qwen_npu.bench", raising=False)
-    monkeypatch.setitem(sys.modules, "qwen_npu.bench", None)       # import now raises ImportError
+    monkeypatch.delitem(sys.modules, "qwen_npu.tools.bench", raising=False)
+    monkeypatch.setitem(sys.modules, "qwen_npu.tools.bench", None)       # import now raises ImportError
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out
-    assert "bench" in out and "UNAVAILABLE (qwen_npu.bench failed to import" in " ".join(out.split())
+    assert "bench" in out and "UNAVAILABLE (qwen_npu.tools.bench failed to import" in " ".join(out.split())
     assert cli.main(["bench"]) == 1
     err = capsys.readouterr().err
-    assert "qwen_npu.bench failed to import: ModuleNotFoundError: import of qwen_npu.bench halted" in err
+    assert "qwen_npu.tools.bench failed to import: ModuleNotFoundError: import of qwen_npu.tools.bench halted" in err
     assert cli.main(["env", "--json"]) == 0                          # the others still run
     assert '"qwen_npu"' in capsys.readouterr().out

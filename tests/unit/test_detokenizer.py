@@ -4,7 +4,7 @@ import random
 import pytest
 
 from qwen_npu.engine.detokenizer import IncrementalDetokenizer
-from qwen_npu.streaming import pending_stop_prefix
+from qwen_npu.session.streaming import pending_stop_prefix
 from qwen_npu.testing import tokenizer_files_dir
 
 PARROT = [123918, 250]          # "🦜" split over two byte-level tokens
@@ -14,7 +14,7 @@ ASTRONAUT = [148738, 378, 235, 145836]   # "🧑‍🚀": person, zero-width joi
 
 @pytest.fixture(scope="module")
 def tok():
-    from qwen_npu.tokenizer import Tokenizer
+    from qwen_npu.text.tokenizer import Tokenizer
     return Tokenizer(tokenizer_files_dir()).decode       # the bound decode, as a Request holds it
 
 

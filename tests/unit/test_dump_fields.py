@@ -6,7 +6,7 @@ import json
 import pytest
 
 from qwen_npu import InvalidRequestError, load_dump
-from qwen_npu.cli import main
+from qwen_npu.tools.cli import main
 
 GOOD = {"format": "qwen-npu-dump", "version": 1, "meta": {"block_size": 4, "num_blocks": 8},
         "steps": [{"kind": "prefill", "index": 0, "slot_mapping": [8, 9], "block_tables": [[2, -1]],

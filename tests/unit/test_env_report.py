@@ -5,7 +5,7 @@ import sys
 import torch
 
 from qwen_npu import env_report
-from qwen_npu.cli import main
+from qwen_npu.tools.cli import main
 from qwen_npu.device import npu_status, resolve_kernels
 
 

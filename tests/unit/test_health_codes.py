@@ -1,7 +1,7 @@
 """Per-row logits health codes: the CPU shortcut (max/min only) agrees with the explicit checks."""
 import torch
 
-from qwen_npu.engine.engine import _health_codes
+from qwen_npu.engine.sampler import health_codes as _health_codes
 
 
 def explicit_codes(logits: torch.Tensor) -> list[int]:

@@ -122,15 +122,15 @@ def test_the_demo_and_the_bench_take_repo_ids(cached):
     load itself is stubbed: the tour is tested elsewhere), the bench refuses this small-vocabulary
     model for the Qwen3-vocabulary workload naming the same folder."""
     cache, snapshot, _ = cached
-    code = ("import qwen_npu.demo as demo\n"
+    code = ("import qwen_npu.tools.demo as demo\n"
             "def load(path, **kw):\n    print('LOADS', path)\n    raise SystemExit(0)\n"
             "demo.Session.from_pretrained = load\n"
-            "from qwen_npu.cli import main\n"
+            "from qwen_npu.tools.cli import main\n"
             f"main(['demo', '--model', {REPO!r}])\n")
     done = run_child(code, cache, offline=True)
     assert done.returncode == 0, done.stderr
     assert f"LOADS {snapshot}" in done.stdout and f"the checkpoint at {snapshot}" in done.stdout
-    code = f"from qwen_npu.cli import main\nraise SystemExit(main(['bench', '--model', {REPO!r}, '--workload', 'seed']))"
+    code = f"from qwen_npu.tools.cli import main\nraise SystemExit(main(['bench', '--model', {REPO!r}, '--workload', 'seed']))"
     done = run_child(code, cache, offline=True)
     assert f"{snapshot}: the workload uses token ids up to" in done.stdout + done.stderr, done.stderr
 

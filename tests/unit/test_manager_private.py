@@ -7,8 +7,8 @@ from qwen_npu.cache.manager import KVCacheManager
 TOKENS = list(range(100, 113))          # 13 tokens: 3 full blocks of 4 are shareable
 
 
-def run(m: KVCacheManager, rid: int, tokens=TOKENS) -> int:
-    cached = m.match_prefix(rid, tokens)
+def run(m: KVCacheManager, rid: int, tokens=TOKENS, limit=None) -> int:
+    cached = m.match_prefix(rid, tokens, limit)
     assert m.allocate(rid, len(tokens))
     m.commit(rid, tokens, len(tokens))
     return cached
@@ -37,9 +37,7 @@ def test_a_private_request_publishes_nothing_and_its_fork_neither():
 def test_prefix_limit_caps_what_match_prefix_takes_per_request():
     m = KVCacheManager(32, 4)
     run(m, 0)
-    m.prefix_limit = lambda rid: {1: 0, 2: 9}.get(rid)
-    assert run(m, 1) == 0                  # recomputes everything
-    assert run(m, 2) == 8                  # position 9 and on: blocks 0 and 1 reused
+    assert run(m, 1, limit=0) == 0         # recomputes everything
+    assert run(m, 2, limit=9) == 8         # position 9 and on: blocks 0 and 1 reused
     assert run(m, 3) == 12                 # no cap
-    m.prefix_limit = None
     assert m.stats.hit_blocks == 2 + 3 and m.check() == []

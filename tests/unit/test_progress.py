@@ -2,7 +2,7 @@
 from views_kit import small_session
 
 from qwen_npu import SamplingParams
-from qwen_npu.progress import StepProgress
+from qwen_npu.session.progress import StepProgress
 
 
 def test_a_long_prefill_moves_the_bar_chunk_by_chunk(tiny_ckpt_small_vocab):

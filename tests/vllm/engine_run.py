@@ -17,7 +17,7 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from qwen_npu.workloads import custom, mixed, seed_like
+from qwen_npu.tools.workloads import custom, mixed, seed_like
 
 FAULTS = ("copy_row0", "off_by_one", "past_blocks", "padding_slot0", "shared_block")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 
 def is_messages(prompt) -> bool:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 
-from .errors import DeviceError
+from ..errors import DeviceError
 
 
 def build_kernels(*, progress: bool = True, log=None) -> str:
     """Build (or load) the cpu kernel set now; returns where it is cached. ``DeviceError`` when
     this machine cannot build it, with the reason (the compiler's first error for a failed build)."""
-    from .kernels import build, cpu
+    from ..kernels import build, cpu
     try:
         cpu.ensure_built(log=log, progress=progress)
     except build.KernelBuildError as e:
@@ -31,7 +31,7 @@ def add_build_parser(subparsers) -> None:
 
 
 def run_build(args) -> int:
-    from .device import cpu_kernels_choice
+    from ..device import cpu_kernels_choice
     t0 = time.perf_counter()
     try:
         where = build_kernels(progress=not args.no_progress, log=print)

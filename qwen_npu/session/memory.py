@@ -17,9 +17,8 @@ import re
 
 import torch
 
-from . import device as devices
-from .errors import InvalidRequestError
-from .extensions import implementation
+from .. import device as devices
+from ..errors import InvalidRequestError
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -75,7 +74,7 @@ def blocks_for_budget(kv_memory, bytes_per_block: int, device: torch.device) -> 
 
 def blocks_for_model(kv_memory, mc, dtype: torch.dtype, device: torch.device, block_size: int) -> int:
     """``num_blocks`` for a ``kv_memory`` budget and a model's shape (ModelConfig ``mc``)."""
-    from .cache.kv_cache import bytes_per_block
+    from ..cache.kv_cache import bytes_per_block
     per_block = bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads, mc.head_dim, dtype)
     return blocks_for_budget(kv_memory, per_block, device)
 
@@ -120,7 +119,8 @@ class MemoryReport:
         return "\n".join([f"MemoryReport({self.device})"] + [f"  {k:<16} {v}" for k, v in self.rows()])
 
     def _repr_html_(self) -> str:
-        return implementation("memory_report_html")(self)
+        from ..inspect.report_views import memory_report_html
+        return memory_report_html(self)
 
 
 def memory_report(sess) -> MemoryReport:

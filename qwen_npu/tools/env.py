@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from . import device as devices
-from .config import device_outputs_default
+from .. import device as devices
+from ..config import device_outputs_default
 
 ENV_VARS = ("QWEN_NPU_DEVICE_OUTPUTS", "QWEN_NPU_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
             "MKL_ENABLE_INSTRUCTIONS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "ASCEND_RT_VISIBLE_DEVICES",
@@ -114,7 +114,7 @@ def _npu_devices() -> str:
 def _cpu_kernels() -> list[tuple[str, str]]:
     """Can the cpu set be built here, is it built (or did its build fail, and how), and what
     kernels="auto" picks on this CPU and why."""
-    from .kernels import build, cpu, cpu_choice, cpu_features
+    from ..kernels import build, cpu, cpu_choice, cpu_features
     ok, reason = cpu.availability()
     items = [("cpu isa", cpu_features.isa_cap_in_force()[1]),
              ("cpu kernels", f"{'usable' if ok else 'not usable'}: {reason}")]

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import weakref
 
-from .engine import sampler
-from .engine.draft import StepDraft
-from .engine.engine import check_not_pending
-from .engine.request import ABORTED, SamplingParams
-from .engine.transaction import KVGuard, deferred_interrupts, fault_point
-from .errors import InvalidRequestError, OutOfBlocksError
+from ..engine import sampler
+from ..engine.draft import StepDraft
+from ..engine.step import check_not_pending
+from ..engine.request import ABORTED, SamplingParams
+from ..engine.step import Commit, commit
+from ..engine.transaction import KVGuard, fault_point
+from ..errors import InvalidRequestError, OutOfBlocksError
 
 
 class Branches:
@@ -100,7 +101,6 @@ def fork_session(sess, sampling=None):
     A transaction like a step: the block copies are planned on a draft of the cache manager, and
     nothing the parent or the engine holds changes unless the whole fork succeeds."""
     st = sess.state
-    st.engine.collect_dropped()
     check_not_pending(sess.last_step, "fork", st.requests)
     engine = st.engine
     bs = sess.config.block_size
@@ -145,16 +145,14 @@ def fork_session(sess, sampling=None):
     except BaseException:
         guard.restore()
         raise
-    with deferred_interrupts():
-        draft.apply({})
-        engine.ledger.apply(ledger)
-        engine.next_request_id = first + len(plans)
-        child._requests.update(made)
-        child._generators.update(gens)
+    def join() -> None:
         if engine.branches is None:
             engine.branches = Branches(sess)
         engine.branches.add(child)
         child._finalizer = weakref.finalize(child, engine.dropped.append, child._requests)
+
+    commit(engine, Commit(draft=draft, ledger=ledger, session=child, requests=made, generators=gens,
+                          next_request_id=first + len(plans), then=(join,)))
     return child
 
 
@@ -170,18 +168,23 @@ def sibling_holders(sess) -> str:
             f"Finish, abort or close those branches (branch.close()) first")
 
 
-def close_branch(sess) -> None:
-    """``close()`` of a branch that does not own the cache: abort its own unfinished requests, free
-    their blocks, and close just this branch; the other branches go on."""
+def branch_closing(sess):
+    """What ``close()`` of a branch that does not own the cache changes: a draft aborting its
+    unfinished requests (their blocks freed) and the assignments that take it out of the
+    branches. Changes nothing itself; ``close_session`` commits both."""
     engine = sess.state.engine
-    for r in list(sess.requests):
+    draft = StepDraft(engine.manager, sess.state.requests)
+    for r in sess.requests:
         if not r.is_done:
-            engine.finish(r, "abort", ABORTED)
-    fin = getattr(sess, "_finalizer", None)
-    if fin is not None:
-        fin.detach()
-    if engine.branches is not None:
-        engine.branches.remove(sess)
+            draft.finish(draft.of(r), "abort", ABORTED)
+
+    def leave() -> None:
+        fin = getattr(sess, "_finalizer", None)
+        if fin is not None:
+            fin.detach()
+        if engine.branches is not None:
+            engine.branches.remove(sess)
+    return draft, leave
 
 
 def _copy_state(src, dst) -> None:
@@ -204,11 +207,11 @@ def reset_branch(sess) -> bool:
     if not any(s is not sess for s in engine.branches.sessions()):
         engine.branches = None
         return False
-    for r in sess.requests:
-        if not r.is_done:
-            engine.finish(r, "abort", ABORTED)
+    draft, _ = branch_closing(sess)
     index = sess.state.step_index
-    with deferred_interrupts():
+
+    def forget() -> None:
         sess._init_state()
         sess._step_index = index
+    commit(engine, Commit(draft=draft, session=sess, then=(forget,)))
     return True

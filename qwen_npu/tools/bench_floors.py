@@ -49,7 +49,7 @@ def read_bandwidth(nbytes: int = READ_BYTES, reps: int = REPS + 2) -> float:
     the model's weights are: a huge-page arena (``model.arena.WeightArena``) where the kernel
     gives one, else an ordinary tensor. The page size matters: on a 2-core EPYC the same sum read
     32 GB/s in 4 KiB pages and 58 GB/s in 2 MiB pages, and the weights live in the latter."""
-    from .model.arena import WeightArena
+    from ..model.arena import WeightArena
     n = max(nbytes // 4, 1)
     arena = WeightArena.allocate(n * 4)
     x = arena.buffer[:n * 4].view(torch.float32) if arena is not None else torch.empty(n)

@@ -24,15 +24,17 @@ from pathlib import Path
 import torch
 
 from . import bench_floors
-from . import device as devices
 from . import workloads
-from .config import ModelConfig
-from .engine.request import SamplingParams
-from .errors import InvalidRequestError
-from .model.hub import checkpoint_folder
+from .. import device as devices
+from ..config import ModelConfig
+from ..engine.request import SamplingParams
+from ..errors import InvalidRequestError
+from ..model.hub import checkpoint_folder
+from ..session.options import SessionOptions
 
 MAX_BATCH = 16
 MAX_MODEL_LEN = 2048
+BENCH_OPTIONS = SessionOptions(max_batch=MAX_BATCH, max_model_len=MAX_MODEL_LEN)   # what run_bench starts from
 WARMUP_PROMPT, WARMUP_TOKENS = 32, 4
 PROBE_CONTEXT, PROBE_STEPS = 128, 8
 QWEN3_06B_SHAPE = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -54,7 +56,7 @@ def ensure_default_model(path: Path | None = None, *, log=None) -> Path:
     path = Path(path or default_model_dir())
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return path
-    from .testing import make_tiny_qwen3, tokenizer_files_dir
+    from ..testing import make_tiny_qwen3, tokenizer_files_dir
     try:
         tokenizer_files_dir()
         vocab = None
@@ -103,7 +105,7 @@ def run_workload(sess, work: workloads.Workload) -> dict:
     seconds = time.perf_counter() - t0
     n_in = sum(len(p) for p, _ in work)
     n_out = sum(len(r.output_token_ids) for r in reqs)
-    full = decode.get(MAX_BATCH, [])
+    full = decode.get(sess.config.max_batch, [])
     return {
         "seconds": round(seconds, 3), "out_tokens": n_out, "prompt_tokens": n_in,
         "out_tok_s": round(n_out / seconds, 2), "total_tok_s": round((n_in + n_out) / seconds, 2),
@@ -150,22 +152,24 @@ def peer_dtypes(choice: str, user: str) -> list[str]:
     return {"auto": [user], "both": [user, other]}.get(choice, [choice])
 
 
-def run_bench(work="mixed", *, model=None, compare: str | None = None, device: str = "auto",
-              kernels: str = "auto", prefix_cache: bool = True, probes: bool = True, floors: bool = True,
-              peer_dtype: str = "auto", mixed_steps: bool = False, log=None) -> dict:
+def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: bool = True, floors: bool = True,
+              peer_dtype: str = "auto", log=None, **options) -> dict:
     """Load, warm up and time ``work`` (a workload name or a list of (prompt ids, new tokens)).
 
     Returns a flat dict: the run's figures (``seconds``, ``out_tokens``, ``out_tok_s``,
     ``total_tok_s``, prefill and decode figures, ``peak_rss_bytes``, transfers per token), the
     setup, and with ``compare="hf"`` the Hugging Face figures under ``hf`` plus ``hf_ratio``
     (Hugging Face seconds / ours: above 1 means faster than Hugging Face). On a CPU, ``floors``
-    adds the machine's floors (``qwen_npu.bench_floors``) and the decode probes' ratios to them.
+    adds the machine's floors (``qwen_npu.tools.bench_floors``) and the decode probes' ratios to them.
     ``peer_dtype``: Hugging Face's dtype, ``auto`` (float32 unless torch's bf16 products are the
     faster here), ``float32``, ``bfloat16`` or ``both`` (then ``hf`` is the ``auto`` one and
-    ``hf_by_dtype`` holds both). ``mixed_steps``: the Session option of that name (decode rows
-    and prefill chunks share steps; ``mixed_step_count``/``mixed_s`` count those steps).
+    ``hf_by_dtype`` holds both). ``options``: Session options (``SessionOptions``) over
+    ``BENCH_OPTIONS``, e.g. ``device``, ``kernels``, ``prefix_cache``, ``mixed_steps`` (decode
+    rows and prefill chunks share steps; ``mixed_step_count``/``mixed_s`` count those steps);
+    ``num_blocks`` defaults to enough for the workload.
     """
-    from .session import Session
+    from ..session.session import Session
+    opts = BENCH_OPTIONS.replace(**options)
     if compare not in (None, "hf"):
         raise InvalidRequestError(f"compare={compare!r}: the only comparison built in is 'hf'")
     if peer_dtype not in PEER_DTYPES:
@@ -175,21 +179,22 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
         work = workloads.get_workload(work)
     if not work:
         raise InvalidRequestError("the workload is empty")
-    path = checkpoint_folder(model) if model is not None else ensure_default_model(log=log)
+    path = checkpoint_folder(model, opts.revision) if model is not None else ensure_default_model(log=log)
     vocab = ModelConfig.from_pretrained(path).vocab_size
     top = max(max(p) for p, _ in work)
     if top >= vocab:
         raise InvalidRequestError(f"{path}: the workload uses token ids up to {top} but the checkpoint's "
                                   f"vocabulary has {vocab}; benchmark a checkpoint with the Qwen3 vocabulary")
-    block_size = devices.default_block_size(devices.resolve_device(device))
-    num_blocks = max(_blocks_for(work, block_size, MAX_BATCH), MAX_BATCH * (PROBE_CONTEXT // block_size + 2))
+    device = devices.resolve_device(opts.device)
+    block_size = opts.block_size or devices.default_block_size(device)
+    if opts.num_blocks is None and opts.kv_memory is None:
+        opts = opts.replace(num_blocks=max(_blocks_for(work, block_size, opts.max_batch),
+                                           opts.max_batch * (PROBE_CONTEXT // block_size + 2)))
     t0 = time.perf_counter()
-    kernels = devices.prepare_kernels(kernels, devices.resolve_device(device))   # a first build, timed apart
+    opts = opts.replace(kernels=devices.prepare_kernels(opts.kernels, device))   # a first build, timed apart
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    sess = Session.from_pretrained(path, device=device, max_batch=MAX_BATCH, max_model_len=MAX_MODEL_LEN,
-                                   kernels=kernels, prefix_cache=prefix_cache, num_blocks=num_blocks,
-                                   mixed_steps=mixed_steps)
+    sess = Session.from_pretrained(path, **opts.replace(revision=None).kwargs())
     load_s = time.perf_counter() - t0
     cfg = sess.config
     t0 = time.perf_counter()
@@ -203,7 +208,7 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, device: s
         log(f"{name}: {result['seconds']:.2f} s, {result['out_tok_s']:.1f} output tok/s")
     if probes:
         result["decode_ms_b1"] = decode_probe(sess, 1)
-        result["decode_ms_b16"] = decode_probe(sess, MAX_BATCH)
+        result["decode_ms_b16"] = decode_probe(sess, cfg.max_batch)
         result["probe_context"] = PROBE_CONTEXT
     result.update(peak_rss_bytes=_peak_rss(), load_s=round(load_s, 2), build_s=round(build_s, 2),
                   warmup_s=round(warmup_s, 2),
@@ -335,11 +340,11 @@ def bench_command(args) -> int:
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
+    options = dict(device=args.device, kernels=args.kernels, prefix_cache=not args.no_prefix_cache,
+                   mixed_steps=args.mixed_steps)                       # SessionOptions fields
     try:
-        result = run_bench(work, model=args.model, compare=args.compare, device=args.device, kernels=args.kernels,
-                           prefix_cache=not args.no_prefix_cache, probes=not args.no_probes,
-                           floors=not args.no_floors, peer_dtype=args.peer_dtype,
-                           mixed_steps=args.mixed_steps, log=log)
+        result = run_bench(work, model=args.model, compare=args.compare, probes=not args.no_probes,
+                           floors=not args.no_floors, peer_dtype=args.peer_dtype, log=log, **options)
     except InvalidRequestError as e:
         raise SystemExit(f"qwen-npu bench: {e}") from None
     print(json.dumps(result, separators=(",", ":")) if args.json else format_text(result), flush=True)

@@ -55,7 +55,7 @@ def get_workload(name: str) -> Workload:
     try:
         return WORKLOADS[name]()
     except KeyError:
-        from .errors import InvalidRequestError
+        from ..errors import InvalidRequestError
         raise InvalidRequestError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}") from None
 
 

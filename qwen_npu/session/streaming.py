@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from .engine.detokenizer import IncrementalDetokenizer
-from .engine.request import Request
+from ..engine.detokenizer import IncrementalDetokenizer
+from ..engine.request import Request
 
 
 @dataclasses.dataclass(frozen=True)

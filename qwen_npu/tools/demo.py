@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .engine.request import SamplingParams
-from .model.hub import checkpoint_folder
-from .session import Session
-from .testing import tiny_trained_qwen3
+from ..engine.request import SamplingParams
+from ..model.hub import checkpoint_folder
+from ..session.options import SessionOptions
+from ..session.session import Session
+from ..testing import tiny_trained_qwen3
 
 PROMPTS = [
     "music means",
@@ -26,11 +27,13 @@ PROMPTS = [
      "university, is a large city in the north of"),
 ]
 MAX_NEW = (16, 8, 12)
+# small enough that the tour's prompts span several chunks and blocks
+DEMO_OPTIONS = SessionOptions(max_batch=4, block_size=8, chunk_size=16, num_blocks=64, max_model_len=256)
 
 
 def run_demo(out=print, model_dir: str | Path | None = None) -> Session:
     """Print the tour; returns the session for further poking."""
-    from .device import cpu_kernels_choice
+    from ..device import cpu_kernels_choice
     path = checkpoint_folder(model_dir) if model_dir else tiny_trained_qwen3()
     what = "the checkpoint at " + str(path) if model_dir else \
         "the small Qwen3 trained on WordNet's English that ships with qwen-npu (greedy decoding)"
@@ -38,8 +41,7 @@ def run_demo(out=print, model_dir: str | Path | None = None) -> Session:
     t_setup = time.perf_counter()
     out("  loading it (a few seconds; a first run on a CPU that uses the C++ kernels builds them first "
         "and says so)")
-    sess = Session.from_pretrained(path, max_batch=4, block_size=8, chunk_size=16, num_blocks=64,
-                                   max_model_len=256)
+    sess = Session.from_pretrained(path, **DEMO_OPTIONS.kwargs())
     out(f"  ready in {time.perf_counter() - t_setup:.1f} s (not counted below)")
     if sess.config.device == "cpu":
         out(f"  kernels: {sess.config.kernels}" + (f" ({cpu_kernels_choice()[1]})" if sess.config.kernels != "cpu"

@@ -32,7 +32,7 @@ try:
 except (ImportError, OSError, RuntimeError) as _exc:   # torch-npu without CANN breaks `import torch`
     raise ImportError(torch_import_hint(_exc)) from _exc
 
-from .errors import DeviceError
+from ..errors import DeviceError
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,6 +1,6 @@
 """Which device and which kernel set a Session runs on: npu, cuda or cpu.
 
-``torch_npu`` is loaded only through ``qwen_npu.npu_runtime`` (its guarded probe), which turns
+``torch_npu`` is loaded only through ``qwen_npu.device.npu_runtime`` (its guarded probe), which turns
 every failure to load it into a reason in words; ``resolve_device("npu")`` raises it as a
 ``DeviceError``, and ``resolve_device("auto")`` quietly moves on to cuda or cpu.
 
@@ -20,7 +20,7 @@ from .npu_runtime import (CANN_FIX, _probe_torch_npu, load_torch_npu,  # noqa: F
                           npu_status, torch_import_hint)
 import torch  # noqa: E402  isort: skip
 
-from .errors import DeviceError  # noqa: E402
+from ..errors import DeviceError, warn  # noqa: E402
 
 KERNEL_CHOICES = ("auto", "reference", "npu", "cpu")
 
@@ -105,34 +105,33 @@ def prepare_kernels(name: str, device: torch.device | str) -> str:
     step ever waits for it. Where "auto" cannot have the cpu set on a CPU that would gain from it
     (no compiler, a failed build), it warns with the reason and runs the reference set;
     an explicit ``kernels="cpu"`` that cannot build is a ``DeviceError``."""
-    import warnings
     chosen = resolve_kernels(name, device)
     if device_type(device) != "cpu":
         return chosen
-    from .kernels import build, cpu, cpu_choice  # lazy: the cpu set is imported only for a cpu device
+    from ..kernels import build, cpu, cpu_choice  # lazy: the cpu set is imported only for a cpu device
     if chosen == "reference":
         if name == "auto" and cpu_choice.would_gain():
-            warnings.warn(f"kernels='auto' runs the reference set: {cpu_kernels_choice()[1]}", stacklevel=4)
+            warn(f"kernels='auto' runs the reference set: {cpu_kernels_choice()[1]}")
         return chosen
     try:
         cpu.ensure_built()
     except build.KernelBuildError as e:
         if name == "cpu":
             raise DeviceError(f"kernels='cpu': {e}; use kernels='reference' (or 'auto')") from e
-        warnings.warn(f"kernels='auto' runs the reference set: {e}. It is {cpu_choice.SLOWER}; "
-                      f"`qwen-npu env` shows the error, `qwen-npu build-kernels` tries again", stacklevel=4)
+        warn(f"kernels='auto' runs the reference set: {e}. It is {cpu_choice.SLOWER}; "
+             f"`qwen-npu env` shows the error, `qwen-npu build-kernels` tries again")
         return "reference"
     return chosen
 
 
 def cpu_kernels_choice() -> tuple[str, str]:
     """("cpu" | "reference", why) for kernels="auto" on this machine's CPU."""
-    from .kernels import cpu_choice
+    from ..kernels import cpu_choice
     return cpu_choice.choose()
 
 
 def _cpu_kernels_status() -> tuple[bool, str]:
-    from .kernels import build, cpu
+    from ..kernels import build, cpu
     ok, reason = cpu.availability()
     if ok:
         state, detail = build.build_status(cpu.extension())

@@ -20,9 +20,9 @@ import math
 
 import torch
 
-from .engine.engine import check_not_pending
-from .engine.request import DECODING, PREFILLING, WAITING, Request, SamplingParams
-from .errors import InvalidRequestError, OutOfBlocksError
+from ..engine.step import check_not_pending
+from ..engine.request import DECODING, PREFILLING, WAITING, Request, SamplingParams
+from ..errors import InvalidRequestError, OutOfBlocksError
 
 
 @dataclasses.dataclass(frozen=True)

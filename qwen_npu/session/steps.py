@@ -1,27 +1,21 @@
-"""The steps of a Session, each one transaction (mixed into ``Session``).
+"""The steps of a Session (mixed into ``Session``): which rows each kind of step takes.
 
-    plan (a StepDraft) ─> validate ─> dispatch (+ sampling) ─> commit ─> warnings
-
-``prefill``, ``decode_step`` and ``step`` plan their rows on a draft of the cache manager and
-the requests; ``sample`` stages its tokens on one. Only ``Commit.apply`` changes the Session
-(see ``engine/transaction.py``), so a call that raises before it leaves everything as it was.
+``prefill``, ``decode_step`` and ``step`` say how their rows are scheduled; ``sample`` which
+step it samples. Each then runs ``engine/step.py`` top to bottom, one transaction.
+``generate`` and ``stream`` drive ``step`` until their requests finish.
 """
 from __future__ import annotations
 
 import collections
-import time
 
 import torch
 
-from .engine.calls import exclusive
-from .engine.commit import Commit
-from .engine.draft import StepDraft
-from .engine.engine import check_not_pending
-from .engine.outputs import StepResult
-from .engine.plan import build_plan
-from .engine.request import DECODING, PREFILLING, WAITING, Request
-from .engine.transaction import fault_point
-from .errors import InvalidRequestError, StaleOutputError
+from ..engine.outputs import StepResult
+from ..engine.request import DECODING, PREFILLING, WAITING, Completion, Request
+from ..engine.step import Commit, check_not_pending, commit, run_step, sample_step
+from ..engine.transaction import exclusive
+from ..errors import InvalidRequestError, StaleOutputError
+from ..text import chat
 
 
 class SessionSteps:
@@ -31,8 +25,7 @@ class SessionSteps:
     def prefill(self, requests=None) -> StepResult:
         """One prefill step over waiting/prefilling requests (default: all, in arrival order;
         a request named twice runs once)."""
-        self._engine.collect_dropped()
-        check_not_pending(self.last_step, "prefill", self._requests)
+        check_not_pending(self._last_step(), "prefill", self._requests)
         if requests is None:
             cands = [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)]
         else:
@@ -48,48 +41,25 @@ class SessionSteps:
                 raise InvalidRequestError(f"cannot prefill request {bad[0].id}: it is {bad[0].status}")
 
         def plan(draft):
-            return "prefill", self._scheduler.prefill_rows(draft, self.requests, cands)
+            return "prefill", self._scheduler.prefill_rows(draft, list(self._requests.values()), cands)
         return self._transact(plan, "prefill", sample=False)
 
     @exclusive
     def decode_step(self) -> StepResult:
         """One runtime-batch decode step over every decoding request."""
-        self._engine.collect_dropped()
-        check_not_pending(self.last_step, "decode", self._requests)
+        check_not_pending(self._last_step(), "decode", self._requests)
         if not any(r.status == DECODING for r in self._requests.values()):
             raise InvalidRequestError(self._nothing_to_run("decode"))
 
         def plan(draft):
-            return "decode", [(r, 1) for r in self._scheduler.decode_rows(draft, self.requests)]
+            return "decode", [(r, 1) for r in self._scheduler.decode_rows(draft, list(self._requests.values()))]
         return self._transact(plan, "decode", sample=False)
 
-    def _transact(self, schedule, action: str, *, sample: bool, force=None) -> StepResult:
-        """One step as a transaction: plan on a draft, validate, dispatch, commit (see module doc)."""
-        t0 = time.perf_counter()
-        draft = StepDraft(self._engine.manager, self._requests)
-        kind, rows = schedule(draft)
-        fault_point("planned")
-        if not rows:
-            raise InvalidRequestError(self._nothing_to_run(action))
-        cfg = self.config
-        pad = cfg.max_batch if kind == "decode" and cfg.decode_padding == "replicate" else None
-        tables = {r.id: draft.manager.block_table(r.id) for r, _ in rows}
-        plan = build_plan(kind, self._step_index, rows, tables, cfg.block_size, pad_to=pad)
-        timings = {"schedule": time.perf_counter() - t0}
-        step, commit = self._engine.run(plan, draft, self._visible_requests(), timings)
-        try:
-            if sample and step.logits is not None:
-                self._engine.sample(step, draft, self._generators, commit, force=force)
-        except BaseException:
-            commit.abandon()
-            raise
-        commit.then.append(lambda: self.history.append(step))
-        commit.then.append(self._advance)
-        commit.apply(self._generators, stacklevel=5)     # warnings point at the caller of step()
-        return step
+    def _last_step(self) -> StepResult | None:
+        return self.history[-1] if self.history else None
 
-    def _advance(self) -> None:
-        self._step_index += 1
+    def _transact(self, schedule, action: str, *, sample: bool, force=None) -> StepResult:
+        return run_step(self, schedule, action, sample=sample, force=force)
 
     def _visible_requests(self) -> dict:
         branches = self._engine.branches
@@ -100,7 +70,7 @@ class SessionSteps:
         state = ", ".join(f"{n} {s}" for s, n in by.items()) or "no requests"
         msg = f"nothing to {kind}: {state}" + ("; add a request first" if not by else "")
         if (by.get(WAITING) or by.get(DECODING) or by.get(PREFILLING)) and self._engine.branches is not None:
-            from .session_fork import sibling_holders
+            from .fork import sibling_holders
             msg += sibling_holders(self)
         return msg
 
@@ -111,12 +81,13 @@ class SessionSteps:
         ``force`` teacher-forces instead: a list with one token id per logits row, or a dict
         request id -> token id (rows not named are sampled as usual).
         """
-        step = step if step is not None else self.last_step
+        last = self._last_step()
+        step = step if step is not None else last
         if step is None:
             raise InvalidRequestError("nothing to sample: no step has run yet")
-        if step is not self.last_step:
+        if step is not last:
             raise InvalidRequestError(f"cannot sample step {step.index}: only the last step "
-                                      f"({self.last_step.index}) can be sampled")
+                                      f"({last.index}) can be sampled")
         if step.token_ids is not None:
             raise InvalidRequestError(f"step {step.index} was already sampled")
         if step.logits is None:
@@ -126,11 +97,7 @@ class SessionSteps:
                                    f"of another branch sharing this cache")
         if force is not None:
             force = self._forced(step, force)
-        draft = StepDraft(self._engine.manager, self._requests)
-        commit = Commit(self._engine, draft)
-        ids = self._engine.sample(step, draft, self._generators, commit, force=force)
-        commit.apply(self._generators, stacklevel=4)    # the caller of sample()
-        return ids
+        return sample_step(self, step, force)
 
     def _forced(self, step: StepResult, force) -> dict[int, int]:
         ids = step.logits_request_ids
@@ -155,19 +122,73 @@ class SessionSteps:
         can make progress, else decode. With ``mixed_steps=True``: decode rows first, then prefill
         chunks in the rest of the token budget, in one forward (kind "mixed" when both are there).
         One transaction: forward and sampling commit together or not at all."""
-        self._engine.collect_dropped()
-        check_not_pending(self.last_step, "step", self._requests)
+        check_not_pending(self._last_step(), "step", self._requests)
         mixed = self.config.mixed_steps
 
         def plan(draft):
             cands = [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)]
             if mixed:
-                return step_kind(self._scheduler.mixed_rows(draft, self.requests, cands))
-            rows = self._scheduler.prefill_rows(draft, self.requests, cands)
+                return step_kind(self._scheduler.mixed_rows(draft, list(self._requests.values()), cands))
+            rows = self._scheduler.prefill_rows(draft, list(self._requests.values()), cands)
             if rows:
                 return "prefill", rows
-            return "decode", [(r, 1) for r in self._scheduler.decode_rows(draft, self.requests)]
+            return "decode", [(r, 1) for r in self._scheduler.decode_rows(draft, list(self._requests.values()))]
         return self._transact(plan, "step", sample=True)
+
+    @exclusive
+    def generate(self, prompts, sampling=None, progress=None, *, enable_thinking: bool | None = None,
+                 chat_template_kwargs: dict | None = None) -> list[Completion]:
+        """Run ``prompts`` to completion with continuous batching; results in input order.
+
+        Every prompt is checked before any is added; when the first step fails before it commits
+        (refused, interrupted), the requests this call added are removed again, so the session
+        is exactly as before the call."""
+        chat_kwargs = chat.template_kwargs(enable_thinking, chat_template_kwargs)
+        mark = (self._engine.next_request_id, self._seed_rng.getstate(), self._step_index)
+        reqs = self._add_batch(prompts, sampling, "generate", chat_kwargs)
+        from .progress import StepProgress
+        bar = StepProgress(progress, reqs)           # prompt tokens prefilled + tokens generated
+        try:
+            while not all(r.is_done for r in reqs):
+                try:
+                    bar.update(self.step())
+                except BaseException:
+                    if self._step_index == mark[2]:      # no step committed: take the requests back
+                        commit(self._engine, Commit(then=(lambda: self._take_back(reqs, mark),)), undo=True)
+                    raise
+        finally:
+            bar.close()
+        return [Completion.of(r) for r in reqs]
+
+    def _take_back(self, reqs: list[Request], mark: tuple) -> None:
+        """Plain assignments: forget ``reqs`` (added by a call whose first step failed)."""
+        for r in reqs:
+            self._requests.pop(r.id, None)
+            self._generators.pop(r.id, None)
+        self._engine.next_request_id = mark[0]
+        self._seed_rng.setstate(mark[1])
+
+    def _add_batch(self, prompts, sampling, action: str, chat_kwargs: dict) -> list[Request]:
+        """Validate every prompt first, then add them all (one prompt or a list or tuple of them;
+        one sampling or one each)."""
+        single = isinstance(prompts, (str, bytes, bytearray, torch.Tensor)) or chat.is_messages(prompts)
+        if not single and not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"{action}: prompts must be one prompt (a str, chat messages, a list of "
+                                      f"int token ids) or a list of them, not {type(prompts).__name__}")
+        if single or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(samplings) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(samplings)} sampling params")
+        check_not_pending(self.last_step, action, self._requests)
+        prepared = [self._prepare(p, s, chat_kwargs) for p, s in zip(prompts, samplings)]
+        return [self._add(*p) for p in prepared]
+
+    def stream(self, prompts, sampling=None, *, enable_thinking: bool | None = None,
+               chat_template_kwargs: dict | None = None):
+        """Like ``generate``, but yields StreamEvents (request, text increment) as tokens arrive."""
+        from .streaming import stream
+        return stream(self, prompts, sampling, chat.template_kwargs(enable_thinking, chat_template_kwargs))
 
 
 def step_kind(rows: list[tuple]) -> tuple[str, list[tuple]]:
@@ -176,3 +197,4 @@ def step_kind(rows: list[tuple]) -> tuple[str, list[tuple]]:
     decoding = sum(r.status == DECODING for r, _ in rows)
     kind = "decode" if decoding == len(rows) else "prefill" if decoding == 0 else "mixed"
     return kind, rows
+

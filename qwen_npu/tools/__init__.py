@@ -1,0 +1,1 @@
+"""The command line, the demo, benchmarks and their workloads, and the environment report."""
