@@ -54,11 +54,11 @@ class Engine:
                 if not req.is_done:
                     self.finish(req, "abort", ABORTED)
 
-    def finish(self, req: Request, reason: str, status: str = FINISHED, session=None) -> None:
+    def finish(self, req: Request, reason: str, status: str = FINISHED) -> None:
         """Finish ``req`` now (an abort): a change of its own, applied by ``step.commit``."""
         draft = StepDraft(self.manager, {req.id: req})
         draft.finish(draft.of(req), reason, status)
-        commit(self, Commit(draft=draft, session=session))
+        commit(self, Commit(draft=draft))
 
     def reset(self) -> None:
         self.dropped.clear()

@@ -9,6 +9,7 @@ that would corrupt the cache is refused while nothing has been written.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..cache.block_table import slot_mapping
 from ..cache.slot_check import KINDS
@@ -84,8 +85,9 @@ class StepPlan:
         return self.block_tables
 
     # ---- the plan read token by token (the ledger) ------------------------------------------
-    @property
+    @functools.cached_property
     def token_rows(self) -> list[int]:
+        """The row of each token (computed once: ``query_lens`` never changes after planning)."""
         return [i for i, n in enumerate(self.query_lens) for _ in range(n)]
 
     @property

@@ -7,19 +7,15 @@ call installs holds it back), so the library's own handling is what is tested.
 from __future__ import annotations
 
 import gc
-import signal
 import sys
 import threading
-from pathlib import Path
 
 import pytest
+from sweep_kit import CtrlC
 
-import qwen_npu
 from qwen_npu import InvalidRequestError, SamplingParams, Session
 from qwen_npu.errors import SessionBusyError
 
-PACKAGE = str(Path(qwen_npu.__file__).resolve().parent)
-KERNELS = str(Path(qwen_npu.__file__).resolve().parents[1] / "kernels")
 GREEDY = SamplingParams(max_new_tokens=3, ignore_eos=True)
 UNSEEDED = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
 
@@ -29,21 +25,10 @@ def sigint_raises(default_sigint):
     """Every test here needs Ctrl-C to raise (the process may have inherited it ignored)."""
 
 
-def ctrl_c_at(k: int, call, files=(PACKAGE, KERNELS)):
-    """Run ``call()`` delivering one Ctrl-C at its k-th executed line in ``files``. Returns
-    (whether the line was reached, whether KeyboardInterrupt came out, where it landed)."""
-    seen, where = [0], [None]
-
-    def trace(frame, event, arg):
-        if where[0] is None and event == "line" and frame.f_code.co_filename.startswith(files):
-            seen[0] += 1
-            if seen[0] == k:
-                where[0] = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
-                handler = signal.getsignal(signal.SIGINT)
-                if callable(handler):
-                    handler(signal.SIGINT, frame)
-        return trace
-
+def ctrl_c_at(k: int, call):
+    """Run ``call()`` delivering one Ctrl-C at its k-th executed package line (``sweep_kit.CtrlC``).
+    Returns (whether the line was reached, whether KeyboardInterrupt came out, where it landed)."""
+    trace = CtrlC(k - 1)
     sys.settrace(trace)
     try:
         call()
@@ -52,7 +37,7 @@ def ctrl_c_at(k: int, call, files=(PACKAGE, KERNELS)):
         raised = True
     finally:
         sys.settrace(None)
-    return where[0] is not None, raised, where[0]
+    return trace.fired is not None, raised, trace.fired
 
 
 def sweep(make, call, check, stride=1, limit=4000):
