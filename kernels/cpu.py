@@ -12,10 +12,10 @@ but does all arithmetic in fp32:
                        once, many rows (prefill) run
                        a 6 x 16 register tile: x packed in 6-row
                        groups, weights in transposed 16-row panels.
-                       On a CPU with AVX512-BF16, below BF16_DOT_ROWS   bf16 products (exact in
+                       On a CPU with AVX512-BF16, below torch_rows()    bf16 products (exact in
                        rows: C++ (csrc/linear_bf16.cpp) native bf16     fp32), fp32 sums
                        dot products, from it on torch's bf16 product
-                       (AMX without them: torch from NATIVE_ROWS rows)
+                       (NATIVE_ROWS with AMX tiles, else BF16_DOT_ROWS)
     paged_attention  C++ (csrc/attention*.cpp): each token reads only fp32 scores, softmax and
                        its own visible context through the block        weighted sum
                        table (no gather, no padding to the longest
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import os
 import shutil
 import sys
@@ -62,18 +63,20 @@ from .metadata import AttentionMetadata
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("module.cpp", "linear.cpp", "linear_bf16.cpp", "attention.cpp", "attention_decode.cpp", "norm.cpp",
-           "activation.cpp")
+           "activation.cpp", "greedy.cpp", "peak.cpp")
 HEADERS = ("vec.h", "elementwise.h", "attention.h")
 # -fopenmp: at::parallel_for is a header template; without it the kernels would run on one thread
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 # From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).
 PANEL_ROWS = 16
-# From this many x rows on, a CPU with native bf16 (AMX without AVX512-BF16) runs torch's bf16 product
-# (oneDNN); below it the C++ kernel streams the weights as fast or faster (docs/benchmarks.md).
+# From this many x rows on, a CPU with AMX bf16 tiles runs torch's bf16 product (oneDNN on the tiles);
+# below it the C++ kernels stream the weights as fast or faster (docs/benchmarks.md).
 NATIVE_ROWS = 6
-# Below this many x rows, a CPU with AVX512-BF16 runs csrc/linear_bf16.cpp (bf16 dot products straight
-# from bf16 x and weights), from it on torch's bf16 product: the crossing measured on the 0.6B shapes.
+# Below this many x rows, a CPU with AVX512-BF16 and no AMX runs csrc/linear_bf16.cpp (bf16 dot products
+# straight from bf16 x and weights), from it on torch's bf16 product: the crossing on the 0.6B shapes.
 BF16_DOT_ROWS = 20
+# From this many tokens on, a bf16 prefill row on a CPU with AMX tiles runs torch's SDPA (paged_attention).
+SDPA_ROWS = 16
 
 HALF_OR_FLOAT = (torch.bfloat16, torch.float32)
 
@@ -142,21 +145,35 @@ def bf16_dot() -> bool:
         return False
 
 
+def amx() -> bool:
+    """Does the CPU have AMX bf16 tiles (and no ``QWEN_NPU_CPU_ISA`` cap hides them)? torch's bf16
+    product (oneDNN) runs on them."""
+    return "amx_bf16" in cpu_features.cpu_flags()
+
+
+def torch_rows() -> int:
+    """From how many x rows on bf16 products go to torch's (oneDNN's) product on this CPU: with
+    AMX tiles from ``NATIVE_ROWS`` (they beat every vector kernel from a few rows), with only the
+    AVX512-BF16 dot products from ``BF16_DOT_ROWS``; never without native bf16."""
+    if not native_bf16():
+        return 1 << 62
+    return BF16_DOT_ROWS if bf16_dot() and not amx() else NATIVE_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T -> [..., N] in x's dtype, accumulated in fp32.
 
-    bf16 x and weights on a CPU with AVX512-BF16: fewer than ``BF16_DOT_ROWS`` rows go to
-    csrc/linear_bf16.cpp (native bf16 dot products), more to torch's product; on a CPU with other
-    native bf16 (AMX without the dot products), ``NATIVE_ROWS`` rows or more go to torch's
-    product; everything else to csrc/linear.cpp (weights widened in registers)."""
+    bf16 x and weights from ``torch_rows()`` rows on: torch's bf16 product; fewer rows on a CPU
+    with AVX512-BF16: csrc/linear_bf16.cpp (native bf16 dot products); everything else:
+    csrc/linear.cpp (weights widened in registers)."""
     if weight.dtype == torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight)
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() > 0 and native_bf16():
         rows = x.numel() // max(x.shape[-1], 1)
-        if bf16_dot():
-            return ops().linear_bf16(x, weight) if rows < BF16_DOT_ROWS else F.linear(x, weight)
-        if rows >= NATIVE_ROWS:
+        if rows >= torch_rows():
             return F.linear(x, weight)
+        if bf16_dot():
+            return ops().linear_bf16(x, weight)
     return ops().linear(x, weight, PANEL_ROWS)
 
 
@@ -168,9 +185,45 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """As ``reference.paged_attention`` (decode and prefill), computed in fp32."""
-    return ops().paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, float(scale))
+    """As ``reference.paged_attention`` (decode and prefill), computed in fp32 — except, on a CPU
+    with AMX tiles, the bf16 prefill rows of ``SDPA_ROWS`` tokens or more: torch's
+    ``scaled_dot_product_attention`` on the row's gathered K/V (bf16 products on the tiles, fp32
+    softmax; several times faster, within the bf16 tolerance of the fp32 loop)."""
+    if meta.is_decode or query.dtype != torch.bfloat16 or not amx():
+        return ops().paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, float(scale))
+    out = torch.empty_like(query)
+    starts = [0, *itertools.accumulate(meta.query_lens_host)]
+    short = [r for r, n in enumerate(meta.query_lens_host) if n < SDPA_ROWS]
+    for r, n in enumerate(meta.query_lens_host):
+        if n >= SDPA_ROWS:
+            out[starts[r]:starts[r + 1]] = _sdpa_row(query[starts[r]:starts[r + 1]], key_cache, value_cache,
+                                                     meta.block_tables[r], meta.seq_lens_host[r], scale)
+    if short:                  # the rest (decode rows of a mixed step, short chunks) in one fp32 call
+        tokens = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in short])
+        lens = [meta.query_lens_host[r] for r in short]
+        rows = torch.tensor(short)
+        out[tokens] = ops().paged_attention(
+            query[tokens], key_cache, value_cache, meta.block_tables[rows], meta.seq_lens[rows],
+            torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32), float(scale))
+    return out
+
+
+def _sdpa_row(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
+              context: int, scale: float) -> torch.Tensor:
+    """One row's causal attention: q [L, H, D] at positions context-L .. context-1 over the row's
+    K/V 0 .. context-1, gathered from its blocks -> [L, H, D]."""
+    block_size = key_cache.shape[1]
+    blocks = table[:-(-context // block_size)].long()
+    k = key_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)            # [KV, S, D]
+    v = value_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)
+    n = q.shape[0]
+    mask = None
+    if n < context:                  # queries start past 0: key j is visible to query i if j <= start + i
+        mask = torch.arange(context)[None, :] <= torch.arange(context - n, context)[:, None]
+    y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                       is_causal=mask is None, scale=scale, enable_gqa=True)   # 4-D: the
+    return y[0].transpose(0, 1)                                     # flash path (3-D takes the slow one)
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
@@ -214,6 +267,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
             or cos.device != q.device):
         return rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin)
     return tuple(ops().qk_norm_rope(q, k, q_weight, k_weight, float(eps), cos, sin))
+
+
+def greedy_health(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(``logits.argmax(-1)``, the health codes of ``engine/sampler.health_codes``) of float32
+    logits [rows, vocab] in one read (csrc/greedy.cpp), identical to the torch calls, NaN rows
+    included; None for logits it does not take (the sampler then makes the torch calls)."""
+    if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.shape[1] == 0:
+        return None
+    return tuple(ops().greedy_health(logits))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

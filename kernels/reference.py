@@ -96,7 +96,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 def _decode(query, key_cache, value_cache, meta, scale):
     block_size = key_cache.shape[1]
-    n_blocks = -(-meta.max_seq_len // block_size)
+    n_blocks = -(-max(meta.seq_lens_host, default=0) // block_size)
     blocks = meta.block_tables[:, :n_blocks].clamp(min=0).long()         # [rows, n_blocks]
     k = key_cache[blocks].flatten(1, 2)                    # [rows, n_blocks*block_size, kv_heads, hd]
     v = value_cache[blocks].flatten(1, 2)

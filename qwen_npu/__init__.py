@@ -4,8 +4,9 @@ from . import device  # noqa: F401  isort: skip
 from .cache.slot_check import SlotCollisionWarning, check_slot_mapping
 from .engine.engine import StreamHealthWarning
 from .engine.faults import FaultEmulationWarning
-from .engine.outputs import DeviceLogits, StepResult
+from .engine.plan import StepResult
 from .engine.request import Completion, Request, SamplingParams
+from .engine.runner import DeviceLogits
 from .errors import (CheckpointError, DeviceError, InvalidRequestError, OutOfBlocksError, QwenNpuError,
                      SessionBusyError, SlotCollisionError, StaleOutputError, UnknownOptionError)
 from .session.options import SessionOptions

@@ -1,11 +1,13 @@
 """Write docs/benchmarks.md and the scaling plot from docs/bench/results.json (see run_benchmarks.py)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from render_floors import dtype_table, floors_lines, hf_by_dtype, user_dtype, vllm_by_dtype
+from render_machines import extra_results, machine_section
 
-from qwen_npu.tools.bench import ratio_text
+from qwen_npu.tools.bench_report import ratio_text
 from run_benchmarks import MIXED_STEPS
 
 
@@ -233,6 +235,8 @@ def render(res: dict, md: Path, png: Path) -> None:
                   "not the peers. On such a host a user runs the peers in float32; measured that way in one",
                   "sitting, qwen-npu was 1.29x faster than vLLM on `mixed` and 2.05x on `seed`. The tables above",
                   "run the peers in the dtype a user would pick on the machine measured.", ""]
+    for path in extra_results():
+        lines += machine_section(json.loads(path.read_text()))
     lines += ["## What makes qwen-npu fast here", "",
               "- The LM head runs only for the rows that sample; q/k/v and gate/up are one matrix each.",
               "- `kernels=\"cpu\"`: bf16 weights are widened to fp32 in registers. Decode streams each",

@@ -1,7 +1,7 @@
 """The peers by dtype and the machine's floors, for docs/benchmarks.md (see render_benchmarks.py)."""
 from __future__ import annotations
 
-from qwen_npu.tools.bench import ratio_text
+from qwen_npu.tools.bench_report import ratio_text
 from qwen_npu.tools.bench_floors import decode_floors
 
 

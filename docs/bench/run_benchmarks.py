@@ -61,8 +61,10 @@ MIXED_STEPS = "mixed, mixed steps"          # results key: the mixed workload wi
 
 def machine() -> dict:
     import torch
+    from qwen_npu.kernels import cpu_features
     info = {"python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa_cap": cpu_features.isa_cap()}
     try:
         text = Path("/proc/cpuinfo").read_text()
         info["cpu"] = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))

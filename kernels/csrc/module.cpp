@@ -194,12 +194,28 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   }
 }
 
+std::tuple<torch::Tensor, torch::Tensor> greedy_health(torch::Tensor logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
+              "cpu greedy_health: logits must be a 2-D float32 cpu tensor, got ", logits.sizes(), " ",
+              logits.scalar_type());
+  auto x = logits.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  auto ids = torch::empty({rows}, x.options().dtype(at::kLong));
+  auto codes = torch::empty({rows}, x.options().dtype(at::kLong));
+  if (rows > 0) greedy_health_kernel(x.data_ptr<float>(), rows, vocab, ids.data_ptr<int64_t>(), codes.data_ptr<int64_t>());
+  return {ids, codes};
+}
+
 }  // namespace qwen_npu_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &qwen_npu_cpu::linear, "y = x @ w.T with fp32 accumulation (bf16 or fp32 weights)");
   m.def("linear_bf16", &qwen_npu_cpu::linear_bf16, "y = x @ w.T, bf16 x and w, AVX512-BF16 dot products");
   m.def("has_bf16_dot", &qwen_npu_cpu::bf16_dot_available, "was the AVX512-BF16 linear compiled in?");
+  m.def("greedy_health", &qwen_npu_cpu::greedy_health, "(argmax, health code) per row of float32 logits");
+  m.def("fma_peak", &qwen_npu_cpu::fma_peak, "(GFLOP/s, checksum) of register-resident multiply-adds on every thread");
+  m.def("peak_has_avx512", &qwen_npu_cpu::peak_has_avx512, "were the AVX-512 peak loops compiled in?");
+  m.def("peak_has_amx", &qwen_npu_cpu::peak_has_amx, "was the AMX peak loop compiled in, and may it use the tiles?");
   m.def("paged_attention", &qwen_npu_cpu::paged_attention, "causal paged attention, fp32 arithmetic");
   m.def("write_kv", &qwen_npu_cpu::write_kv, "scatter K/V into the caches by slot, skipping negative slots");
   m.def("rms_norm", &qwen_npu_cpu::rms_norm, "RMSNorm over the last dimension");

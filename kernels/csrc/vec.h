@@ -4,6 +4,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <cstdint>
+#include <tuple>
 
 namespace qwen_npu_cpu {
 
@@ -135,6 +136,12 @@ void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, 
 // linear_bf16.cpp: bf16 x and w with AVX512-BF16 dot products (call only where the CPU has them)
 bool bf16_dot_available();
 void linear_bf16_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);
+// greedy.cpp: per row of float32 logits its argmax and health code, in one read
+void greedy_health_kernel(const float* x, int64_t rows, int64_t vocab, int64_t* ids, int64_t* codes);
+// peak.cpp: the compute peak of register-resident multiply-adds on every thread
+bool peak_has_avx512();
+bool peak_has_amx();
+std::tuple<double, double> fma_peak(int64_t kind, int64_t iters);
 
 struct AttentionShape {
   int64_t rows, heads, kv_heads, head_dim, block_size, max_blocks;

@@ -107,6 +107,20 @@ class StepDraft:
             g = self.generators[rid] = sampler.copy_generator(live[rid])
         return g
 
+    def stage_token(self, d: RequestDraft, token: int, logprob=None) -> None:
+        """Stage one sampled token and finish the request when it stops it (``stopping.py``): past
+        ``min_new_tokens``, a stop token id or a completed stop string gives ``"stop"`` (with the
+        token or string as ``stop_reason``); else reaching ``max_new_tokens`` gives ``"length"``."""
+        d.append_token(token, logprob)
+        d.status = DECODING
+        may_stop = len(d.output_token_ids) > d.sampling.min_new_tokens
+        hit = d.stop_strings.push(token, search=may_stop) if d.stop_strings is not None else None
+        if may_stop and (token in d.stop_token_ids or hit is not None):
+            d.stop_reason = token if token in d.stop_token_ids else hit
+            self.finish(d, "stop")
+        elif len(d.output_token_ids) >= d.sampling.max_new_tokens:
+            self.finish(d, "length")
+
     def finish(self, d: RequestDraft, reason: str, status: str = FINISHED) -> None:
         d.status, d.finish_reason = status, reason
         if self.manager.has(d.id):

@@ -1,4 +1,4 @@
-"""A step's plan: the one record of what a step dispatches, before any tensor exists.
+"""A step's plan, the one record of what a step dispatches, and the StepResult that reads it.
 
 Rows, positions, slots, block tables and lengths are held here once. Everything else reads them
 from the plan: the slot checks (a plan is a ``StepWrites`` by its ``row_*`` views), the ledger
@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..cache.block_table import slot_mapping
+import torch
+
+from ..cache.block_table import pad_block_tables, slot_mapping
 from ..cache.slot_check import KINDS
 from .request import DECODING, Request
 
@@ -151,3 +153,89 @@ def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: d
             btabs.append(btabs[0])
             lidx.append(len(ids) - 1)     # the old runner computed logits for every row
     return StepPlan(kind, index, plan_rows, num_active, ids, pos, slots, qlens, slens, btabs, lidx, lrows)
+
+
+@dataclasses.dataclass(eq=False)
+class StepResult:
+    """One step: what was dispatched, its device logits and, once sampled, its tokens.
+
+    What was dispatched is read from the step's plan, the one record of it:
+    ``input_ids``, ``positions``, ``slot_mapping``, ``query_lens``, ``seq_lens`` and
+    ``block_tables`` are host tensors made from the plan when first read."""
+
+    plan: StepPlan                  # the plan that ran
+    logits: object                  # engine/runner.DeviceLogits, or None when no row gets logits
+    host_logits: torch.Tensor
+    max_blocks: int                 # the width ``block_tables`` is padded to (-1)
+    hidden: torch.Tensor | None = None          # device view [rows_out, hidden]
+    token_ids: torch.Tensor | None = None       # after sampling: [rows_out] int64 on the host
+    timings: dict = dataclasses.field(default_factory=dict)
+    transfers: dict = dataclasses.field(default_factory=lambda: {"h2d": 0, "d2h": 0})
+    health: list = dataclasses.field(default_factory=list)   # rows whose logits look broken
+    slot_problems: list = dataclasses.field(default_factory=list)
+    block_size: int | None = None                # the cache's block size (slot = block * block_size + offset)
+    # blocks {"used", "cached", "free"} after the run
+    cache_usage: dict = dataclasses.field(default_factory=dict)
+    # per active row: its request's num_preemptions when the step ran (a change between two steps of a
+    # request means it was preempted in between and restarted with a new block table)
+    row_preemptions: list = dataclasses.field(default_factory=list)
+    _tensors: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    kind = property(lambda self: self.plan.kind, doc='"prefill" | "decode" | "mixed" (both kinds of row)')
+    index = property(lambda self: self.plan.index, doc="the session's step counter")
+    request_ids = property(lambda self: self.plan.request_ids,
+                           doc="one per dispatched row (padding rows repeat the copied id)")
+    batch_size = property(lambda self: len(self.plan.rows), doc="rows dispatched")
+    num_active = property(lambda self: self.plan.num_active,
+                          doc="rows that belong to a real request (< batch_size only when padded)")
+    row_kinds = property(lambda self: self.plan.row_kinds,
+                         doc='per dispatched row: "decode" or "prefill" (a mixed step has both)')
+
+    @property
+    def logits_request_ids(self) -> list[int]:
+        """The request of each logits row, in order."""
+        return [self.plan.rows[r].request.id for r in self.plan.logits_rows]
+
+    def _tensor(self, name: str, make) -> torch.Tensor:
+        t = self._tensors.get(name)
+        if t is None:
+            t = self._tensors[name] = make()
+        return t
+
+    input_ids = property(lambda self: self._tensor("input_ids", lambda: torch.tensor(self.plan.input_ids)),
+                         doc="[tokens]")
+    positions = property(lambda self: self._tensor("positions", lambda: torch.tensor(self.plan.positions)),
+                         doc="[tokens]")
+    slot_mapping = property(lambda self: self._tensor("slot_mapping", lambda: torch.tensor(self.plan.slot_mapping)),
+                            doc="[tokens]")
+    query_lens = property(lambda self: self._tensor("query_lens", lambda: torch.tensor(self.plan.query_lens)),
+                          doc="[rows]")
+    seq_lens = property(lambda self: self._tensor("seq_lens", lambda: torch.tensor(self.plan.seq_lens)),
+                        doc="[rows]")
+    block_tables = property(lambda self: self._tensor("block_tables", self._padded_tables),
+                            doc="[rows, max_blocks] int32, -1 padded")
+
+    def _padded_tables(self) -> torch.Tensor:
+        tables = self.plan.block_tables
+        out = torch.full((len(tables), self.max_blocks), -1, dtype=torch.int32)
+        used = max(map(len, tables), default=0)
+        if used:
+            out[:, :used] = torch.tensor(pad_block_tables(tables, used), dtype=torch.int32)
+        return out
+
+    @property
+    def sampled(self) -> bool:
+        return self.token_ids is not None or not self.logits_request_ids
+
+    def to_dict(self, *, logits_topk: int = 0) -> dict:
+        """What the step dispatched (and sampled) as plain JSON types; see docs/dump-format.md."""
+        from ..dump import step_to_dict
+        return step_to_dict(self, logits_topk=logits_topk)
+
+    def __repr__(self) -> str:
+        from ..inspect.snapshot import take_step
+        return repr(take_step(self))
+
+    def _repr_html_(self) -> str:
+        from ..inspect.snapshot import take_step
+        return take_step(self)._repr_html_()

@@ -20,7 +20,10 @@ Output buffers (logits, next-hidden) live on the device and are cached by key
 (kind, name, capacity, width, dtype, pair). Each kind has two pairs: a step writes the pair
 that the last committed step of its kind did not, so a step that fails half way never touches
 the logits a user still holds. Committing a step bumps the generations of both pairs of its kind,
-which is how an older ``DeviceLogits`` handle learns that it is no longer the latest::
+which is how an older ``DeviceLogits`` handle (a view of rows of one output buffer) learns that it
+is no longer the latest: its ``.tensor`` then raises StaleOutputError unless it was ``.clone()``d.
+Nothing copies logits to the host unless asked (``to_host``, ``topk``), and every copy that
+crosses the host/device boundary is added to the step's ``transfers``::
 
     step 4 (decode) -> pair 0, commit: pair 0 current       step 4's logits valid
     step 5 (decode) fails inside its forward (wrote pair 1) step 4's logits still valid
@@ -36,6 +39,7 @@ import torch
 from ..cache.block_table import pad_block_tables
 from ..cache.kv_cache import KVCache
 from ..device import synchronize
+from ..errors import StaleOutputError
 from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook, Qwen3Model
 from .plan import StepPlan, buffer_set
@@ -45,6 +49,70 @@ from .plan import StepPlan, buffer_set
 class OutputBuffer:
     tensor: torch.Tensor
     generation: int = 0
+
+
+class DeviceLogits:
+    """Logits [rows, vocab] resident on the device, one row per row that produces a next token."""
+
+    def __init__(self, buffer: OutputBuffer | None, rows: int, transfers: dict, step_index: int,
+                 *, private: torch.Tensor | None = None, generation: int | None = None):
+        self._buffer = buffer
+        if generation is None and buffer is not None:
+            generation = buffer.generation
+        self._generation = generation
+        self._rows = rows
+        self._private = private
+        self._transfers = transfers
+        self.step_index = step_index
+        ref = private if private is not None else buffer.tensor
+        self.shape = (rows, ref.shape[1])
+        self.dtype = ref.dtype
+        self.device = ref.device
+
+    @property
+    def is_stale(self) -> bool:
+        return self._private is None and self._buffer.generation != self._generation
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The device view. Raises StaleOutputError once a later step reused the buffer."""
+        if self._private is not None:
+            return self._private
+        if self.is_stale:
+            raise StaleOutputError(
+                f"the logits of step {self.step_index} were overwritten by a later step that reused "
+                f"the same device buffer; call .clone() on them before running another step to keep them")
+        return self._buffer.tensor[:self._rows]
+
+    def view_unchecked(self) -> torch.Tensor:
+        """The rows without the staleness check: for the engine, inside the step that wrote them."""
+        return self._private if self._private is not None else self._buffer.tensor[:self._rows]
+
+    def clone(self) -> "DeviceLogits":
+        """A private device copy that later steps cannot overwrite."""
+        return DeviceLogits(None, self._rows, self._transfers, self.step_index, private=self.tensor.clone())
+
+    def topk(self, k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, token ids) [rows, k] on the host; only 2*k numbers per row cross."""
+        values, ids = self.tensor.topk(k, dim=-1)
+        values, ids = values.cpu(), ids.cpu()
+        self._transfers["d2h"] += values.nbytes + ids.nbytes
+        return values, ids
+
+    def to_host(self) -> torch.Tensor:
+        """An explicit full copy to the host (counted in the step's transfers)."""
+        host = self.tensor.cpu() if self.device.type != "cpu" else self.tensor.clone()
+        self._transfers["d2h"] += host.nbytes
+        return host
+
+    def __repr__(self) -> str:
+        state = "stale" if self.is_stale else ("private copy" if self._private is not None else "live view")
+        return (f"DeviceLogits(step {self.step_index}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}, {state})")
+
+    def _repr_html_(self) -> str:
+        from ..inspect.step_view import logits_html
+        return logits_html(self)
 
 
 class DispatchBuffers:

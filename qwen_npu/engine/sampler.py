@@ -28,13 +28,15 @@ def copy_generator(g: torch.Generator) -> torch.Generator:
     return copy
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[torch.Tensor, int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           greedy_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Pick one token per row of ``logits`` [rows, vocab] -> (token ids [rows] int64 on device, h2d bytes).
 
-    ``generators[r]`` must be set for every non-greedy row.
+    ``generators[r]`` must be set for every non-greedy row. ``greedy_ids``: ``logits.argmax(-1)``
+    when the caller already has it (a kernel set's fused ``greedy_health``).
     """
-    greedy_ids = logits.argmax(dim=-1)                                  # [rows]
+    if greedy_ids is None:
+        greedy_ids = logits.argmax(dim=-1)                              # [rows]
     greedy = [p.temperature == 0.0 for p in params]                       # temperature 0: argmax
     if all(greedy):
         return greedy_ids, 0
@@ -76,14 +78,15 @@ def _mask_top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> to
     return torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
 
 
-def pack(ids: torch.Tensor, logits: torch.Tensor, ks: list[int | None]):
+def pack(ids: torch.Tensor, logits: torch.Tensor, ks: list[int | None], codes: torch.Tensor | None = None):
     """What one step's sample copies to the host, packed on the device: per row the token id with
     the row's health code (0 healthy, 1 non-finite, 2 all zero, 3 all equal) in its upper 32 bits,
     widened to ``2 + k`` int64 with log-probabilities when a row asks (``logprobs.py``).
 
     Returns (packed [rows] or [rows, 2 + k] on the device, ``unpack(host) -> (token ids [rows],
-    health codes, TokenLogprob or None per row)``)."""
-    packed = ids | (health_codes(logits) << 32)
+    health codes, TokenLogprob or None per row)``). ``codes``: ``health_codes(logits)`` when the
+    caller already has them."""
+    packed = ids | ((health_codes(logits) if codes is None else codes) << 32)
     if all(k is None for k in ks):
         def unpack(host):
             return host & 0xFFFFFFFF, (host >> 32).tolist(), [None] * len(ks)
@@ -110,3 +113,22 @@ def health_codes(logits: torch.Tensor) -> torch.Tensor:
     zero = equal & (hi == 0)
     code = torch.where(zero, 2, torch.where(equal, 3, 0))
     return torch.where(nonfinite, 1, code).to(torch.int64)
+
+
+def mask_early_stops(logits: torch.Tensor, reqs) -> tuple[torch.Tensor, int]:
+    """``logits`` [rows, vocab] with every row still under its ``min_new_tokens`` unable to pick
+    a stop token id (set to -inf in a device copy); returns (logits, h2d bytes). The input is
+    returned unchanged (no copy) when no row needs it."""
+    rows, cols = [], []
+    for r, req in enumerate(reqs):
+        if len(req.output_token_ids) < req.sampling.min_new_tokens:
+            for t in sorted(req.stop_token_ids):
+                rows.append(r)
+                cols.append(t)
+    if not rows:
+        return logits, 0
+    index = torch.tensor([rows, cols], dtype=torch.int64)               # [2, masked entries]
+    dev = index.to(logits.device)
+    out = logits.clone()
+    out[dev[0], dev[1]] = float("-inf")
+    return out, index.nbytes

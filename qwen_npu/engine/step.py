@@ -26,11 +26,10 @@ import torch
 from ..cache.ledger import LedgerWrites
 from ..cache.slot_check import check_step_writes, raise_or_warn
 from ..errors import InvalidRequestError, warn
-from . import sampler, stopping
-from .draft import DONE, RequestDraft, StepDraft
-from .outputs import DeviceLogits, StepResult
-from .plan import StepPlan, buffer_set, build_plan
-from .request import DECODING
+from . import sampler
+from .draft import DONE, StepDraft
+from .plan import StepPlan, StepResult, buffer_set, build_plan
+from .runner import DeviceLogits
 from .transaction import KVGuard, fault_point, held_interrupts
 
 HEALTH = {1: "non-finite logits", 2: "all-zero logits", 3: "all-equal logits"}
@@ -138,7 +137,7 @@ def run_step(sess, schedule, action: str, *, sample: bool, force: dict | None = 
         timings["bookkeeping"] = time.perf_counter() - t1
         sampled = None
         if sample and step.logits is not None:
-            sampled = sample_rows(step, draft, sess._generators, force)              # 6 sample
+            sampled = sample_rows(step, draft, sess._generators, force, engine.model.kernels)  # 6 sample
         fault_point("commit")
         c = Commit(draft=draft, ledger=writes, outputs=buffer_set(plan.kind), step=step, sampled=sampled,
                    session=sess, hooks_step=plan.index)
@@ -156,7 +155,7 @@ def sample_step(sess, step: StepResult, force: dict | None = None) -> torch.Tens
     """Sample the last step (6-8 of ``run_step``); returns the token ids on the device."""
     engine = sess._engine
     draft = StepDraft(engine.manager, sess._requests)
-    sampled = sample_rows(step, draft, sess._generators, force)
+    sampled = sample_rows(step, draft, sess._generators, force, engine.model.kernels)
     c = Commit(draft=draft, step=step, sampled=sampled, session=sess)
     commit(engine, c)
     after(engine, c)
@@ -226,7 +225,7 @@ def result(engine, plan, draft, logits_buf, hidden_buf, problems, timings, trans
                       row_preemptions=[r.request.num_preemptions for r in plan.rows[:plan.num_active]])
 
 
-def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dict | None) -> Sampled:
+def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dict | None, kernels) -> Sampled:
     """Sample every logits row of ``step`` on the device and stage the tokens on ``draft``.
 
     The one host sync: a single int64 per row, the token id with the row's health code in its
@@ -235,36 +234,29 @@ def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dic
     t0 = time.perf_counter()
     reqs = [draft.of(r) for r in (draft.requests[i] for i in step.logits_request_ids)]
     logits = step.logits.view_unchecked()                                           # [rows, vocab]
-    allowed, h2d_mask = stopping.mask_early_stops(logits, reqs)
+    allowed, h2d_mask = sampler.mask_early_stops(logits, reqs)
+    greedy_ids = codes = None
+    fused = getattr(kernels, "greedy_health", None)      # a kernel set's argmax and health in one read
+    if fused is not None and allowed is logits:
+        greedy_ids, codes = fused(logits) or (None, None)
     gens = [draft.generator(r.id, generators) for r in reqs]
-    ids, h2d = sampler.sample(allowed, [r.sampling for r in reqs], gens)
+    ids, h2d = sampler.sample(allowed, [r.sampling for r in reqs], gens, greedy_ids)
     fault_point("sampled")
     h2d += h2d_mask
     if force:
         forced = torch.tensor([force.get(r.id, -1) for r in reqs], dtype=torch.int64)
         h2d += forced.nbytes
         ids = torch.where(forced.to(ids.device) >= 0, forced.to(ids.device), ids)
-    packed, unpack = sampler.pack(ids, logits, [r.sampling.logprobs for r in reqs])
+    packed, unpack = sampler.pack(ids, logits, [r.sampling.logprobs for r in reqs], codes)
     host = packed.cpu()
     fault_point("d2h")
     tokens, codes, lps = unpack(host)
     for req, tok, lp in zip(reqs, tokens.tolist(), lps):
         if not req.is_done:                      # aborted between the forward and this sample
-            stage_token(draft, req, tok, lp)
+            draft.stage_token(req, tok, lp)
     fault_point("staged")
     health = [(reqs[i].id, HEALTH[c]) for i, c in enumerate(codes) if c]
     return Sampled(tokens, ids, health, h2d, host.nbytes, time.perf_counter() - t0)
-
-
-def stage_token(draft: StepDraft, req: RequestDraft, token: int, lp=None) -> None:
-    req.append_token(token, lp)
-    req.status = DECODING
-    why = stopping.fired(req, token)
-    if why is not None:
-        req.stop_reason = why
-        draft.finish(req, "stop")
-    elif len(req.output_token_ids) >= req.sampling.max_new_tokens:
-        draft.finish(req, "length")
 
 
 def after(engine, c: Commit) -> None:

@@ -12,14 +12,14 @@ Rules, for the n-th generated token (n counts from 1):
   sampled and their K/V computed).
 * Else reaching ``max_new_tokens`` finishes it with ``finish_reason="length"``.
 
-Stop strings are matched on the decoded output text (special tokens skipped), so they may span
+The rules are applied as a step stages each sampled token (``StepDraft.stage_token``); the
+``min_new_tokens`` mask is the sampler's (``sampler.mask_early_stops``). Stop strings are matched
+on the decoded output text (special tokens skipped), so they may span
 several tokens; among several matches the one that starts first wins (then the earlier listed).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import torch
 
 from .detokenizer import IncrementalDetokenizer
 
@@ -57,35 +57,3 @@ class StopStrings:
             return None
         self.cut, self.matched = best
         return self.matched
-
-
-def fired(req, token: int) -> int | str | None:
-    """What ``token``, just appended to ``req.output_token_ids``, stops: a token id, a stop
-    string, or None (see the module rules; ``max_new_tokens`` is the caller's)."""
-    may_stop = len(req.output_token_ids) > req.sampling.min_new_tokens
-    matcher = req.stop_strings
-    hit = matcher.push(token, search=may_stop) if matcher is not None else None
-    if not may_stop:
-        return None
-    if token in req.stop_token_ids:
-        return token
-    return hit
-
-
-def mask_early_stops(logits: torch.Tensor, reqs) -> tuple[torch.Tensor, int]:
-    """``logits`` [rows, vocab] with every row still under its ``min_new_tokens`` unable to pick
-    a stop token id (set to -inf in a device copy); returns (logits, h2d bytes). The input is
-    returned unchanged (no copy) when no row needs it."""
-    rows, cols = [], []
-    for r, req in enumerate(reqs):
-        if len(req.output_token_ids) < req.sampling.min_new_tokens:
-            for t in sorted(req.stop_token_ids):
-                rows.append(r)
-                cols.append(t)
-    if not rows:
-        return logits, 0
-    index = torch.tensor([rows, cols], dtype=torch.int64)               # [2, masked entries]
-    dev = index.to(logits.device)
-    out = logits.clone()
-    out[dev[0], dev[1]] = float("-inf")
-    return out, index.nbytes

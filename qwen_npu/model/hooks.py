@@ -1,4 +1,4 @@
-"""The forward's hook points, what a hook offers the forward, and the tap the forward calls.
+"""The forward's hook points and what a hook offers the forward.
 
 A hook sees (name, tensor) at a named point of the forward and returns a tensor to use
 instead, or None to keep it. The points, in the order a layer reaches them (see
@@ -31,13 +31,12 @@ residual add_rms_norm returns; an edit there re-runs the norm on the edited stre
 "attn.scores" is built only when the hook wants it, and is read only (what the hook returns for
 it is not used).
 
-The forward makes one call per point on a tap: ``Tap`` (a hook bound for one forward) or
-``NO_TAP`` (no hook: every call hands its tensors back unchanged).
+The forward makes one call per point on its tap (``qwen3.py``): a hook bound for one forward,
+or, without a hook, a tap that hands every tensor back unchanged.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -90,67 +89,3 @@ class LayerPoints:
         p = f"layers.{i}."
         return cls(p + "resid_pre", *(p + "attn." + n for n in ATTN_POINTS), p + "resid_mid",
                    *(p + "mlp." + n for n in MLP_POINTS), p + "residual")
-
-
-class Tap:
-    """A ``ForwardHook`` bound for one forward; ``rms_norm`` and ``eps`` re-run a norm after an
-    edit of the residual stream."""
-
-    __slots__ = ("eps", "hook", "rms_norm")
-
-    def __init__(self, hook: ForwardHook, rms_norm: Callable, eps: float):
-        self.hook, self.rms_norm, self.eps = hook, rms_norm, eps
-
-    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """The tensor the forward goes on with at ``name``."""
-        if not self.hook.wants(name):
-            return x
-        y = self.hook(name, x)
-        return x if y is None else y
-
-    def stream(self, name: str, residual: torch.Tensor, h: torch.Tensor,
-               weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual, its norm) after the hook at a residual-stream point; an edit re-runs the norm."""
-        if not self.hook.wants(name):
-            return residual, h
-        y = self.hook(name, residual)
-        if y is None:
-            return residual, h
-        return y, self.rms_norm(y, weight, self.eps)
-
-    def read(self, name: str, build: Callable[..., torch.Tensor], *args) -> None:
-        """Show ``build(*args)`` at ``name``, built only when wanted; read only."""
-        if self.hook.wants(name):
-            self.hook(name, build(*args))
-
-    def residual(self, name: str, x: torch.Tensor,
-                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) after a layer: the stream materialised (a zero x, x + residual) and shown."""
-        return torch.zeros_like(x), self(name, x + residual)
-
-
-class NoTap:
-    """The tap of a forward without a hook: every call returns its tensors unchanged."""
-
-    __slots__ = ()
-
-    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def stream(self, name: str, residual: torch.Tensor, h: torch.Tensor,
-               weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return residual, h
-
-    def read(self, name: str, build: Callable[..., torch.Tensor], *args) -> None:
-        return None
-
-    def residual(self, name: str, x: torch.Tensor,
-                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, residual
-
-
-NO_TAP = NoTap()
-
-
-def tap_for(hook: ForwardHook | None, rms_norm: Callable, eps: float) -> Tap | NoTap:
-    return NO_TAP if hook is None else Tap(hook, rms_norm, eps)

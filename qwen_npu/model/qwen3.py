@@ -16,12 +16,13 @@ only for the token rows that need a next token. A kernel set may bring fused ``q
 (q_norm, k_norm and RoPE in one call; used only when no hook is set, so hooks see the pre-RoPE
 tensors) and ``silu_mul``; without them the model makes the separate calls.
 
-Each hook point is one call on the forward's tap (``hooks.py``) that returns the tensor to go on
+Each hook point (``hooks.py``) is one call on the forward's tap (below) that returns the tensor to go on
 with, ``x = tap(name, x)``; without a hook the tap hands every tensor back unchanged.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kernels.metadata import AttentionMetadata
 from .arena import concat_rows
-from .hooks import ForwardHook, LayerPoints, tap_for
+from .hooks import ForwardHook, LayerPoints
 from .scores import attention_scores
 
 Hook = ForwardHook        # what ``forward(hook=...)`` takes; the points and their semantics: ``hooks.py``
@@ -156,6 +157,70 @@ class Qwen3Model:
         return logits
 
     __call__ = forward
+
+
+class Tap:
+    """A ``ForwardHook`` bound for one forward; ``rms_norm`` and ``eps`` re-run a norm after an
+    edit of the residual stream."""
+
+    __slots__ = ("eps", "hook", "rms_norm")
+
+    def __init__(self, hook: ForwardHook, rms_norm: Callable, eps: float):
+        self.hook, self.rms_norm, self.eps = hook, rms_norm, eps
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The tensor the forward goes on with at ``name``."""
+        if not self.hook.wants(name):
+            return x
+        y = self.hook(name, x)
+        return x if y is None else y
+
+    def stream(self, name: str, residual: torch.Tensor, h: torch.Tensor,
+               weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual, its norm) after the hook at a residual-stream point; an edit re-runs the norm."""
+        if not self.hook.wants(name):
+            return residual, h
+        y = self.hook(name, residual)
+        if y is None:
+            return residual, h
+        return y, self.rms_norm(y, weight, self.eps)
+
+    def read(self, name: str, build: Callable[..., torch.Tensor], *args) -> None:
+        """Show ``build(*args)`` at ``name``, built only when wanted; read only."""
+        if self.hook.wants(name):
+            self.hook(name, build(*args))
+
+    def residual(self, name: str, x: torch.Tensor,
+                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) after a layer: the stream materialised (a zero x, x + residual) and shown."""
+        return torch.zeros_like(x), self(name, x + residual)
+
+
+class NoTap:
+    """The tap of a forward without a hook: every call returns its tensors unchanged."""
+
+    __slots__ = ()
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def stream(self, name: str, residual: torch.Tensor, h: torch.Tensor,
+               weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return residual, h
+
+    def read(self, name: str, build: Callable[..., torch.Tensor], *args) -> None:
+        return None
+
+    def residual(self, name: str, x: torch.Tensor,
+                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, residual
+
+
+NO_TAP = NoTap()
+
+
+def tap_for(hook: ForwardHook | None, rms_norm: Callable, eps: float) -> Tap | NoTap:
+    return NO_TAP if hook is None else Tap(hook, rms_norm, eps)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from ..config import ModelConfig, SessionConfig
 from ..engine import sampler
 from ..engine.admission import prepare_request
 from ..engine.engine import Engine
-from ..engine.outputs import StepResult
+from ..engine.plan import StepResult
 from ..engine.request import ABORTED, Request, SamplingParams
 from ..engine.scheduler import Scheduler
 from ..engine.step import Commit, commit

@@ -10,7 +10,7 @@ import collections
 
 import torch
 
-from ..engine.outputs import StepResult
+from ..engine.plan import StepResult
 from ..engine.request import DECODING, PREFILLING, WAITING, Completion, Request
 from ..engine.step import Commit, check_not_pending, commit, run_step, sample_step
 from ..engine.transaction import exclusive

@@ -2,7 +2,8 @@
 
     load the checkpoint ─> 4-token warm-up ─> [timed] every request of the workload, added at
     once, stepped with ``Session.step()`` until all finish ─> decode probes at batch 1 and 16
-    ─> (on a CPU) the machine's floors: read bandwidth, torch's float32 and bf16 product rates
+    ─> (on a CPU) the machine's limits: read bandwidth, multiply-add peaks (and torch's product
+       rates beside them), and every figure as a share of them
     ─> (--compare hf) the same workload through Hugging Face ``generate``, in the dtype a user
        would pick here (float32 where torch's bf16 products are slower), or in both
 
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from . import bench_floors
-from . import workloads
+from . import bench_floors, workloads
+from .bench_report import format_text
 from .. import device as devices
 from ..config import ModelConfig
 from ..engine.request import SamplingParams
@@ -77,12 +78,22 @@ def _peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def _rss_now() -> int:
+    """Resident memory of this process now, in bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def run_workload(sess, work: workloads.Workload) -> dict:
-    """Add every request of ``work`` at once and step until all finish; figures of the run."""
+def run_workload(sess, work: workloads.Workload, shapes: list | None = None) -> dict:
+    """Add every request of ``work`` at once and step until all finish; figures of the run.
+    ``shapes``, when given, gets one (tokens computed, logits rows) per step."""
     reqs = [sess.add_request(list(p), _greedy(n)) for p, n in work]
     prefill_s = prefill_tokens = d2h = h2d = 0
     decode: dict[int, list[float]] = {}
@@ -94,6 +105,8 @@ def run_workload(sess, work: workloads.Workload) -> dict:
         dt = time.perf_counter() - ts
         d2h += step.transfers["d2h"]
         h2d += step.transfers["h2d"]
+        if shapes is not None:
+            shapes.append((len(step.plan.input_ids), len(step.plan.logits_index)))
         if step.kind == "prefill":
             prefill_s += dt
             prefill_tokens += int(step.query_lens.sum())
@@ -118,22 +131,24 @@ def run_workload(sess, work: workloads.Workload) -> dict:
     }
 
 
-def decode_probe(sess, batch: int, *, context: int = PROBE_CONTEXT, steps: int = PROBE_STEPS) -> float:
-    """Median milliseconds of a whole decode step with ``batch`` rows at a context of ``context``.
-
-    The rows share one prompt (with the prefix cache on, it is computed once). Resets the session.
-    """
+def decode_probe(sess, batch: int, *, context: int = PROBE_CONTEXT,
+                 steps: int = PROBE_STEPS) -> tuple[float, float]:
+    """(median milliseconds of a whole decode step, median milliseconds of it outside the forward:
+    the host's share — scheduling, planning, checks, sampling, commit) with ``batch`` rows at a
+    context of ``context``. The rows share one prompt (with the prefix cache on, it is computed
+    once). Resets the session."""
     sess.reset()
     prompt = workloads.custom(context, 1, n=1)[0][0]
     reqs = [sess.add_request(prompt, _greedy(steps + 1)) for _ in range(batch)]
-    times = []
+    times, host = [], []
     while not all(r.is_done for r in reqs):
         ts = time.perf_counter()
         step = sess.step()
         if step.kind == "decode" and step.batch_size == batch:
             times.append(time.perf_counter() - ts)
+            host.append(times[-1] - step.timings.get("forward", 0.0))
     sess.reset()
-    return round(1e3 * statistics.median(times), 2)
+    return round(1e3 * statistics.median(times), 2), round(1e3 * statistics.median(host), 3)
 
 
 def _blocks_for(work: workloads.Workload, block_size: int, max_batch: int) -> int:
@@ -193,6 +208,7 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
     t0 = time.perf_counter()
     opts = opts.replace(kernels=devices.prepare_kernels(opts.kernels, device))   # a first build, timed apart
     build_s = time.perf_counter() - t0
+    rss_before_load = _rss_now()
     t0 = time.perf_counter()
     sess = Session.from_pretrained(path, **opts.replace(revision=None).kwargs())
     load_s = time.perf_counter() - t0
@@ -203,13 +219,18 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
     if log:
         log(f"loaded {path} in {load_s:.1f} s ({cfg.dtype}, {cfg.device}, kernels {cfg.kernels}); running "
             f"{name}: {len(work)} requests")
-    result = {"engine": "qwen-npu", "workload": name, **run_workload(sess, work)}
+    shapes: list = []
+    result = {"engine": "qwen-npu", "workload": name, **run_workload(sess, work, shapes)}
     if log:
         log(f"{name}: {result['seconds']:.2f} s, {result['out_tok_s']:.1f} output tok/s")
     if probes:
-        result["decode_ms_b1"] = decode_probe(sess, 1)
-        result["decode_ms_b16"] = decode_probe(sess, cfg.max_batch)
+        result["decode_ms_b1"], result["decode_host_ms_b1"] = decode_probe(sess, 1)
+        result["decode_ms_b16"], result["decode_host_ms_b16"] = decode_probe(sess, cfg.max_batch)
+        result["decode_host_share_b16"] = round(result["decode_host_ms_b16"] / result["decode_ms_b16"], 4)
         result["probe_context"] = PROBE_CONTEXT
+    mem = sess.memory()
+    result["memory"] = {"weights": mem.weights, "kv_cache": mem.kv_cache, "buffers": mem.buffers,
+                        "before_load": rss_before_load, "rss_now": _rss_now()}
     result.update(peak_rss_bytes=_peak_rss(), load_s=round(load_s, 2), build_s=round(build_s, 2),
                   warmup_s=round(warmup_s, 2),
                   model=str(path), device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels,
@@ -219,8 +240,8 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(sess.model.device)
     if floors and sess.model.device.type == "cpu":
         if log:
-            log("measuring the machine's floors (read bandwidth, float32 and bf16 product rates)")
-        result.update(bench_floors.for_run(sess.model, result))
+            log("measuring the machine's limits (read bandwidth, multiply-add peaks, torch's product rates)")
+        result.update(bench_floors.for_run(sess.model, result, shapes))
     device_used = cfg.device
     sess.close()
     if compare == "hf":
@@ -240,64 +261,6 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
 
 
 # ---- command line ----------------------------------------------------------------------------------
-
-def _gib(n: int) -> str:
-    return f"{n / 2 ** 30:.2f} GiB"
-
-
-def format_text(r: dict) -> str:
-    """The human-readable report of a ``run_bench`` result."""
-    def ms(v):
-        return "n/a" if v is None else f"{v:.1f} ms"
-    lines = [
-        f"qwen-npu bench: workload {r['workload']} ({r['requests']} requests, {r['prompt_tokens']} prompt + "
-        f"{r['out_tokens']} output tokens)",
-        f"  model      {r['model']} ({r['dtype']}, {r['device']}, kernels {r['kernels']}, {r['threads']} threads, "
-        f"prefix cache {'on' if r['prefix_cache'] else 'off'})",
-        f"  load       {r['load_s']:.1f} s, warm-up {r['warmup_s']:.2f} s"
-        f"{f', kernel build {b:.1f} s' if (b := r.get('build_s', 0)) >= 0.1 else ''} (not counted)",
-        f"  total      {r['seconds']:.2f} s: {r['out_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s",
-        f"  prefill    {r['prefill_tokens']} tokens computed in {r['prefill_s']:.2f} s: "
-        f"{r['prefill_tok_s'] or 0:.1f} tok/s",
-        f"  decode     {r['decode_steps']} steps in {r['decode_s']:.2f} s; median step at batch 16 in the "
-        f"workload {ms(r['decode_ms_workload_b16'])}",
-    ]
-    if r.get("mixed_steps"):
-        lines.append(f"  mixed      {r['mixed_step_count']} steps of decode rows + prefill chunks "
-                     f"({r['mixed_tokens']} tokens) in {r['mixed_s']:.2f} s")
-    if "decode_ms_b1" in r:
-        lines.append(f"  decode     per step at context {r['probe_context']}: batch 1 {ms(r['decode_ms_b1'])}, "
-                     f"batch 16 {ms(r['decode_ms_b16'])}")
-    mem = f"  memory     peak resident {_gib(r['peak_rss_bytes'])}"
-    if "peak_device_bytes" in r:
-        mem += f", peak device {_gib(r['peak_device_bytes'])}"
-    lines += [mem, f"  transfers  {r['d2h_bytes_per_token']:.1f} B device-to-host per generated token "
-                   f"({r['h2d_bytes_per_token']:.1f} B host-to-device)"]
-    if "floors" in r:
-        f = r["floors"]
-        lines.append(f"  floors     read {f['read_gb_s']:.1f} GB/s, float32 product {f['fp32_gflops']:.0f} GFLOP/s, "
-                     f"bf16 product {f['bf16_gflops']:.0f} GFLOP/s (load {f['load']:.1f})")
-        if "decode_b1_vs_floor" in r:
-            lines.append(f"  vs floors  decode batch 1 {r['decode_b1_vs_floor']:.2f}x the read floor "
-                         f"({f['b1_read_ms']:.1f} ms), batch 16 {r['decode_b16_vs_floor']:.2f}x the float32 "
-                         f"compute floor ({f['b16_compute_ms']:.1f} ms)")
-    if "hf" in r:
-        hf = r["hf"]
-        for dtype, run in r.get("hf_by_dtype", {hf.get("dtype", "?"): hf}).items():
-            verdict = ratio_text(run, r)
-            lines.append(f"  vs hf      generate in {dtype} (groups of 16, left padding, static cache): "
-                         f"{run['seconds']:.2f} s, {run['out_tok_s']:.1f} output tok/s -> qwen-npu is {verdict}")
-    return "\n".join(lines)
-
-
-def ratio_text(peer: dict | None, ours: dict | None, bold: bool = False) -> str:
-    """A peer's seconds over ours as "N.NNx faster" (bold in Markdown on request) or "N.NNx slower";
-    "–" when either run is missing."""
-    if not peer or not ours:
-        return "–"
-    r = peer["seconds"] / ours["seconds"]
-    return (f"**{r:.2f}x faster**" if bold else f"{r:.2f}x faster") if r >= 1 else f"{1 / r:.2f}x slower"
-
 
 def add_bench_parser(subparsers) -> None:
     """Register ``bench`` on the ``qwen-npu`` command's subparsers."""

@@ -1,21 +1,30 @@
-"""The machine's floors for ``qwen-npu bench``: how fast it reads memory and how fast torch multiplies.
+"""The machine's limits for ``qwen-npu bench``, and every figure of a run as a share of them.
 
     read_gb_s       one pass (a sum) over 1 GiB of float32, best of ``reps``, in huge pages
                     where the kernel gives them (as the model's weights are)
+    peaks           GFLOP/s of register-resident multiply-adds on every thread, per instruction
+                    kind the CPU has (``kernels/csrc/peak.cpp``: float32 FMA at 8 lanes, at 16
+                    lanes with AVX-512, the AVX512-BF16 dot product, AMX bf16 tile products); no
+                    product in those instructions can beat them
+    peak_gflops     the fastest of ``peaks``: the compute limit (torch's float32 product where
+                    the cpu kernels cannot be built, then ``peak_kind`` says "torch float32")
     fp32_gflops     torch's float32 product [512, 4096] x [4096, 4096], best of ``reps``
     bf16_gflops     torch's bfloat16 product [256, 1024] x [1024, 1024], best of ``reps``
-                    (sizes: the module constants)
+                    (sizes: the module constants; shown beside the limit, never used as one)
     peer_dtype      what a user would run a torch-based peer in here: ``bfloat16`` where torch's
                     bf16 product beats its float32 one (native bf16 instructions), else ``float32``;
                     decided on the bf16 shape in CPU time, which a busy machine disturbs less
 
-From these, for a decode step of a model with ``weight_bytes`` of weights (read once per step) and
+From these, for a model whose decode step reads ``weight_bytes`` of weights and multiplies by
 ``weight_params`` matrix weights (two flops each per row):
 
     batch-1 floor   weight_bytes / read bandwidth       (the step cannot read faster)
-    batch-B floor   2 * B * weight_params / fp32 rate   (the step cannot multiply faster in float32)
+    batch-B floor   2 * B * weight_params / peak        (the step cannot multiply faster)
+    a workload      the sum over its steps of the larger of the two, for the step's tokens (the
+                    layers) and its logits rows (the LM head, read and multiplied only for them);
+                    attention and the KV cache's reads are left out, so the floor is a lower bound
 
-Wall-clock figures: run on an otherwise idle machine, and compare a step with floors measured in
+Wall-clock figures: run on an otherwise idle machine, and compare a run with limits measured in
 the same process.
 """
 from __future__ import annotations
@@ -29,6 +38,8 @@ READ_BYTES = 1 << 30                    # the buffer the read bandwidth is measu
 FP32_SHAPE = (512, 4096, 4096)          # (m, n, k) of the float32 product
 BF16_SHAPE = (256, 1024, 1024)          # smaller: without native bf16 it runs at a few GFLOP/s
 REPS = 3
+PEAK_ITERS = 20_000_000                 # per thread and kind: about 0.1 s at 40 GFLOP/s per core
+PEAK_KINDS = {"avx2_fma": 0, "avx512_fma": 1, "avx512_bf16_dot": 2, "amx_bf16": 3}   # csrc/peak.cpp's kinds
 
 def _sig(v: float) -> float:
     return float(f"{v:.4g}")
@@ -67,31 +78,86 @@ def gemm_rate(dtype: torch.dtype = torch.float32, m: int = FP32_SHAPE[0], n: int
     return 2 * m * n * k / _best_seconds(lambda: torch.mm(a, b), reps, clock) / 1e9
 
 
+def compute_peaks(iters: int | None = None, reps: int | None = None) -> dict[str, float]:
+    """GFLOP/s of register-resident multiply-adds on every thread, best of ``reps`` (default
+    ``REPS``) runs of ``iters`` iterations per thread (default ``PEAK_ITERS``), for each kind
+    of ``PEAK_KINDS`` this CPU has (under ``QWEN_NPU_CPU_ISA=avx2`` only "avx2_fma"); empty where
+    the cpu kernels cannot be built here."""
+    from ..kernels import cpu, cpu_features
+    if not cpu.available():
+        return {}
+    try:
+        ops = cpu.ops()
+    except Exception:                       # a failed build is reported by `qwen-npu env`
+        return {}
+    flags = cpu_features.cpu_flags()
+    kinds = ["avx2_fma"]
+    if ops.peak_has_avx512() and "avx512f" in flags:
+        kinds.append("avx512_fma")
+        if cpu_features.avx512_bf16():
+            kinds.append("avx512_bf16_dot")
+    if "amx_bf16" in flags and ops.peak_has_amx():
+        kinds.append("amx_bf16")
+    iters, reps = iters or PEAK_ITERS, reps or REPS
+    return {k: _sig(max(ops.fma_peak(PEAK_KINDS[k], iters)[0] for _ in range(reps))) for k in kinds}
+
+
 def measure() -> dict:
-    """The machine's floors as one flat dict (see the module docstring), with the load average."""
-    fp32 = gemm_rate(torch.float32, *FP32_SHAPE)
+    """The machine's limits as one flat dict (see the module docstring), with the load average."""
+    peaks = compute_peaks()
+    fp32 = _sig(gemm_rate(torch.float32, *FP32_SHAPE))
     bf16 = gemm_rate(torch.bfloat16, *BF16_SHAPE)
-    return {"read_gb_s": _sig(read_bandwidth()), "fp32_gflops": _sig(fp32), "bf16_gflops": _sig(bf16),
+    kind = max(peaks, key=peaks.get) if peaks else "torch float32"
+    return {"read_gb_s": _sig(read_bandwidth()), "peaks": peaks, "peak_gflops": peaks.get(kind, fp32),
+            "peak_kind": kind, "fp32_gflops": fp32, "bf16_gflops": _sig(bf16),
             "peer_dtype": user_dtype("cpu"), "threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2)}
+
+
+def model_shape(model) -> dict:
+    """What one forward of a loaded ``Qwen3Model`` reads and multiplies, split where the LM head
+    runs only for the rows that get logits: ``layer_bytes``/``layer_params`` (every layer tensor
+    and the final norm; matrix weights) and ``head_bytes``/``head_params``."""
+    layer_tensors = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    return {"layer_bytes": sum(t.nbytes for t in layer_tensors) + model.norm.nbytes,
+            "layer_params": sum(t.numel() for t in layer_tensors if t.dim() == 2),
+            "head_bytes": model.lm_head.nbytes, "head_params": model.lm_head.numel()}
 
 
 def model_weights(model) -> tuple[int, int]:
     """(bytes read by one decode step, matrix parameters) of a loaded ``Qwen3Model``: every layer
     tensor and the final norm are read once, the LM head's rows all of them."""
-    layer_tensors = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-    nbytes = sum(t.nbytes for t in layer_tensors) + model.lm_head.nbytes + model.norm.nbytes
-    params = sum(t.numel() for t in layer_tensors if t.dim() == 2) + model.lm_head.numel()
-    return nbytes, params
+    s = model_shape(model)
+    return s["layer_bytes"] + s["head_bytes"], s["layer_params"] + s["head_params"]
+
+
+def _peak(floors: dict) -> float:
+    return floors.get("peak_gflops") or floors["fp32_gflops"]
 
 
 def decode_floors(floors: dict, weight_bytes: int, weight_params: int, batches=(1, 16)) -> dict:
     """Milliseconds below which a decode step cannot go: ``b1_read_ms`` (the weights read once at
-    the measured bandwidth) and ``b{B}_compute_ms`` (the products at the float32 rate), by batch."""
-    out = {"weight_bytes": weight_bytes, "weight_params": weight_params,
-           "b1_read_ms": round(weight_bytes / (floors["read_gb_s"] * 1e9) * 1e3, 2)}
+    the measured bandwidth), and by batch ``b{B}_compute_ms`` (the products at the compute peak,
+    or at the float32 product rate when ``floors`` has no peak) and ``b{B}_floor_ms`` (the larger
+    of the two: a step reads every weight whatever its batch)."""
+    read_ms = weight_bytes / (floors["read_gb_s"] * 1e9) * 1e3
+    out = {"weight_bytes": weight_bytes, "weight_params": weight_params, "b1_read_ms": round(read_ms, 2)}
     for b in batches:
-        out[f"b{b}_compute_ms"] = round(2 * b * weight_params / (floors["fp32_gflops"] * 1e9) * 1e3, 2)
+        compute_ms = 2 * b * weight_params / (_peak(floors) * 1e9) * 1e3
+        out[f"b{b}_compute_ms"] = round(compute_ms, 2)
+        out[f"b{b}_floor_ms"] = round(max(read_ms, compute_ms), 2)
     return out
+
+
+def workload_floor(floors: dict, shape: dict, steps) -> float:
+    """Seconds below which a run of ``steps`` [(tokens computed, logits rows)] cannot go: per step
+    the larger of its read time and its compute time (see the module docstring)."""
+    bw, peak = floors["read_gb_s"] * 1e9, _peak(floors) * 1e9
+    total = 0.0
+    for tokens, rows in steps:
+        nbytes = shape["layer_bytes"] + (shape["head_bytes"] if rows else 0)
+        flops = 2 * (tokens * shape["layer_params"] + rows * shape["head_params"])
+        total += max(nbytes / bw, flops / peak)
+    return total
 
 
 def user_dtype(device: str) -> str:
@@ -103,13 +169,27 @@ def user_dtype(device: str) -> str:
     return "bfloat16" if faster else "float32"
 
 
-def for_run(model, result: dict) -> dict:
-    """``floors`` (the machine's and ``model``'s decode floors) and, when ``result`` has the decode
-    probes, ``decode_b1_vs_floor`` and ``decode_b16_vs_floor`` (probe / floor: 1.0 is the floor)."""
+def for_run(model, result: dict, steps=None) -> dict:
+    """``floors`` (the machine's limits and ``model``'s decode floors) and the run's figures as
+    shares of them: with the decode probes in ``result``, ``decode_b1_vs_floor`` and
+    ``decode_b16_vs_floor`` (probe / the larger of its read and compute floors: 1.0 is the floor)
+    and ``decode_b16_share`` (the inverse: 1.0 is the limit); with prefill in the run, ``prefill_gflops`` (the layers' products
+    per second of prefill steps) and ``prefill_share`` of the peak; with ``steps`` (the run's
+    [(tokens, logits rows)]), ``workload_floor_s`` and ``workload_share`` (floor / seconds)."""
     floors = measure()
+    shape = model_shape(model)
     floors.update(decode_floors(floors, *model_weights(model)))
     out = {"floors": floors}
     if result.get("decode_ms_b1"):
         out["decode_b1_vs_floor"] = round(result["decode_ms_b1"] / floors["b1_read_ms"], 2)
-        out["decode_b16_vs_floor"] = round(result["decode_ms_b16"] / floors["b16_compute_ms"], 2)
+        out["decode_b16_vs_floor"] = round(result["decode_ms_b16"] / floors["b16_floor_ms"], 2)
+        out["decode_b16_share"] = _sig(floors["b16_floor_ms"] / result["decode_ms_b16"])
+    if result.get("prefill_s"):
+        rate = 2 * result["prefill_tokens"] * shape["layer_params"] / result["prefill_s"] / 1e9
+        out["prefill_gflops"] = _sig(rate)
+        out["prefill_share"] = _sig(rate / _peak(floors))
+    if steps:
+        floor = workload_floor(floors, shape, steps)
+        out["workload_floor_s"] = _sig(floor)
+        out["workload_share"] = _sig(floor / result["seconds"])
     return out

@@ -49,6 +49,7 @@ def small_floors(monkeypatch):
     monkeypatch.setattr(bench_floors, "FP32_SHAPE", (64, 128, 128))
     monkeypatch.setattr(bench_floors, "BF16_SHAPE", (64, 128, 128))
     monkeypatch.setattr(bench_floors, "REPS", 1)
+    monkeypatch.setattr(bench_floors, "PEAK_ITERS", 100_000)
 
 
 def test_json_report_has_the_figures_and_the_hf_comparison(tiny_ckpt, capsys, small_floors):
@@ -75,9 +76,18 @@ def test_json_report_has_the_figures_and_the_hf_comparison(tiny_ckpt, capsys, sm
     assert hf["dtype"] == f["peer_dtype"]                                # the peer in the user's dtype
     # the floors and ratios are rounded to 0.01: compare at that rounding, inputs' rounding included
     assert f["b1_read_ms"] == pytest.approx(f["weight_bytes"] / f["read_gb_s"] / 1e6, abs=0.0051)
-    assert f["b16_compute_ms"] == pytest.approx(32 * f["weight_params"] / f["fp32_gflops"] / 1e6, abs=0.0051)
+    # the compute floor divides by the multiply-add peak, the fastest kind measured, not torch's product
+    assert f["peak_gflops"] == max(f["peaks"].values()) and f["peak_kind"] in f["peaks"]
+    assert f["b16_compute_ms"] == pytest.approx(32 * f["weight_params"] / f["peak_gflops"] / 1e6, abs=0.0051)
+    assert f["b16_floor_ms"] == max(f["b1_read_ms"], f["b16_compute_ms"])
     assert_ratio_at_rounding(r["decode_b1_vs_floor"], r["decode_ms_b1"], f["b1_read_ms"])
-    assert_ratio_at_rounding(r["decode_b16_vs_floor"], r["decode_ms_b16"], f["b16_compute_ms"])
+    assert_ratio_at_rounding(r["decode_b16_vs_floor"], r["decode_ms_b16"], f["b16_floor_ms"])
+    assert r["decode_b16_share"] == pytest.approx(f["b16_floor_ms"] / r["decode_ms_b16"], rel=0.01)
+    assert 0 < r["prefill_share"] and 0 < r["workload_share"] < 1.5 and r["workload_floor_s"] > 0
+    # host time: the step less its forward, never more than the step
+    assert 0 < r["decode_host_ms_b16"] <= r["decode_ms_b16"] and 0 < r["decode_host_ms_b1"] <= r["decode_ms_b1"]
+    m = r["memory"]
+    assert m["weights"] > 0 and m["kv_cache"] > 0 and m["buffers"] > 0 and 0 < m["before_load"] < r["peak_rss_bytes"]
 
 
 def assert_ratio_at_rounding(ratio, num, den, step=0.01):
@@ -97,7 +107,7 @@ def test_the_peer_runs_in_both_dtypes_labelled(tiny_ckpt, capsys, small_floors):
     out = run_cli(capsys, "--model", str(tiny_ckpt), *RUN, "--no-probes", "--compare", "hf", "--peer-dtype", "both")
     runs = [line for line in out.splitlines() if line.startswith("  vs hf")]
     assert len(runs) == 2 and "in float32" in out and "in bfloat16" in out
-    assert "  floors     read" in out and "vs floors" not in out                 # no probes, no ratios
+    assert "  limits     read" in out and "vs limits  decode" not in out         # no probes, no decode ratios
     r = run_bench([([300] * 8, 2)], model=tiny_ckpt, compare="hf", peer_dtype="float32", probes=False,
                   floors=False)
     assert r["hf"]["dtype"] == "float32" and "floors" not in r and "hf_by_dtype" not in r
@@ -129,3 +139,13 @@ def test_bad_arguments_are_refused_with_a_reason(tiny_ckpt, args, message):
 def test_a_checkpoint_without_the_qwen3_vocabulary_is_refused(tiny_ckpt_small_vocab):
     with pytest.raises(SystemExit, match="vocabulary has 512"):
         main(["bench", "--model", str(tiny_ckpt_small_vocab), "--workload", "seed"])
+
+
+def test_text_report_gives_every_figure_beside_its_limit(tiny_ckpt, capsys, small_floors):
+    out = run_cli(capsys, "--model", str(tiny_ckpt), *RUN)
+    for words in ("  host       outside the forward: batch 1 ", "% of its step)",
+                  "  limits     read ", "multiply-add peak ", "  vs limits  prefill ", "% of the peak",
+                  "  vs limits  decode batch 1 ", "x the read floor", "% of its limit",
+                  "  vs limits  the workload's floor ", "% of the run",
+                  "= before load ", ", weights ", ", KV cache ", ", buffers ", ", rest ", "resident at the end"):
+        assert words in out, words

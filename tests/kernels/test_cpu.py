@@ -53,9 +53,9 @@ def test_native_bf16_dot_products_match_float64(n, k, rows):
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     want = x.double() @ w.double().T
     torch.testing.assert_close(y.double(), want, **TOL[torch.bfloat16])
-    # and it is what cpu.linear runs below BF16_DOT_ROWS rows, torch's product from there on
+    # and it is what cpu.linear runs below cpu.torch_rows() rows, torch's product from there on
     routed = cpu.linear(x, w)
-    expected = y if rows < cpu.BF16_DOT_ROWS else F.linear(x, w)
+    expected = y if rows < cpu.torch_rows() else F.linear(x, w)
     assert torch.equal(routed, expected)
 
 
@@ -137,6 +137,35 @@ def test_a_mixed_step_through_the_prefill_path_matches_dense_and_the_decode_path
         seq_lens_host=tuple(meta.seq_lens_host[r] for r in decode_rows), is_decode=True)
     by_decode = kernels.paged_attention(query[[starts[r] for r in decode_rows]], kc, vc, alone, scale)
     torch.testing.assert_close(out[[starts[r] for r in decode_rows]].double(), by_decode.double(), **TOL[dtype])
+
+
+SDPA_ROWS_CASE = [(0, 40), (20, 1), (33, 17), (5, 3), (0, cpu.SDPA_ROWS), (9, cpu.SDPA_ROWS - 1)]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_bf16_prefill_rows_through_sdpa_match_dense(monkeypatch, amx, block_size):
+    """With AMX tiles (forced here, so every CPU runs the path) bf16 rows of ``SDPA_ROWS`` tokens
+    or more go through torch's SDPA — from position 0 (causal) and past a cached prefix (masked) —
+    and the shorter rows and decode rows through the C++ loop, in one step."""
+    monkeypatch.setattr(cpu, "amx", lambda: amx)
+    meta, query, kc, vc, dense, tables = build_case(SDPA_ROWS_CASE, block_size, 2, 2, 32, torch.bfloat16, seed=5)
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    out = cpu.paged_attention(query, kc, vc, meta, 32 ** -0.5)
+    assert out.shape == query.shape and out.dtype == torch.bfloat16
+    assert [c[-2] for c in calls] == ([q for _, q in SDPA_ROWS_CASE if q >= cpu.SDPA_ROWS] if amx else [])
+    torch.testing.assert_close(out.double(), naive_attention(query, SDPA_ROWS_CASE, dense, 2, 32 ** -0.5),
+                               **TOL[torch.bfloat16])
+    for row, table in enumerate(tables):            # no row reads another row's blocks, on either path
+        kp, vp = kc.clone(), vc.clone()
+        others = [b for b in range(kc.shape[0]) if b not in table]
+        kp[others] = float("nan")
+        vp[others] = float("nan")
+        poisoned = cpu.paged_attention(query, kp, vp, meta, 32 ** -0.5)
+        start = sum(q for _, q in SDPA_ROWS_CASE[:row])
+        assert torch.equal(poisoned[start:start + SDPA_ROWS_CASE[row][1]], out[start:start + SDPA_ROWS_CASE[row][1]])
 
 
 @pytest.mark.parametrize("poison", [float("nan"), 1e30, float("inf")])

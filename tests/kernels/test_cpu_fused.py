@@ -147,3 +147,67 @@ def test_the_model_fuses_without_hooks_and_keeps_hook_points_exact(bf16_ckpt, mo
             sess.step()
     assert calls["qk_norm_rope"] == 0
     assert torch.count_nonzero(cap.stack("layers.0.attn.q", edited.id)) == 0    # RoPE of the edited q
+
+
+# --- greedy_health ----------------------------------------------------------------------------
+
+def _awkward_logits(vocab: int, seed: int) -> torch.Tensor:
+    """Rows a stream can produce: ordinary, tied maxima (in a vector and in the tail), a NaN
+    (early, late), an inf, all -inf, all zero (with a -0.0), all equal."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(10, vocab, generator=gen)
+    x[1, :] = 0.5
+    x[1, vocab // 2:] = 2.0                      # ties: the first one wins
+    x[2, -1] = 99.0                              # the max in the tail
+    x[3, vocab - 1] = float("nan")
+    x[4, 0] = float("nan")
+    x[4, -1] = float("nan")
+    x[5, vocab // 3] = float("inf")
+    x[6, :] = float("-inf")
+    x[7, :] = 0.0
+    x[7, 0] = -0.0
+    x[8, :] = 3.25
+    x[9, :] = -1e30
+    x[9, vocab // 4] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 16, 31, 1000, 151936])
+def test_greedy_health_is_argmax_and_the_health_codes_exactly(vocab):
+    from qwen_npu.engine.sampler import health_codes
+    x = _awkward_logits(vocab, vocab)
+    ids, codes = cpu.greedy_health(x)
+    assert ids.dtype == codes.dtype == torch.int64
+    assert torch.equal(ids, x.argmax(dim=-1)), (ids, x.argmax(dim=-1))
+    assert torch.equal(codes, health_codes(x)), (codes, health_codes(x))
+    strided = torch.cat([x, x], dim=1)[:, ::2]    # a view the kernel copies first
+    assert torch.equal(cpu.greedy_health(strided)[0], strided.argmax(dim=-1))
+
+
+def test_greedy_health_declines_what_it_does_not_take():
+    assert cpu.greedy_health(torch.randn(3, 8).bfloat16()) is None
+    assert cpu.greedy_health(torch.randn(8)) is None
+    assert cpu.greedy_health(torch.empty(2, 0)) is None
+    ids, codes = cpu.greedy_health(torch.empty(0, 8))
+    assert ids.shape == codes.shape == (0,)
+
+
+def test_a_session_samples_the_same_tokens_and_health_with_and_without_the_fused_read(monkeypatch, tmp_path):
+    """Greedy and seeded rows, a row under min_new_tokens (masked logits: the fused read is not
+    used for it), through the cpu set with and without greedy_health."""
+    path = make_tiny_qwen3(tmp_path / "m", vocab_size=300)
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    params = [SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=6, temperature=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_new_tokens=6, temperature=0.0, min_new_tokens=3)]
+    calls = []
+    real = cpu.greedy_health
+    monkeypatch.setattr(cpu, "greedy_health", lambda x: calls.append(x.shape) or real(x))
+
+    def run():
+        with Session.from_pretrained(path, kernels="cpu") as sess:
+            return [(c.token_ids, c.finish_reason) for c in sess.generate(prompts, params, progress=False)]
+    fused = run()
+    assert calls, "the cpu set's greedy_health was not used"
+    monkeypatch.delattr(cpu, "greedy_health")
+    assert run() == fused

@@ -1,9 +1,10 @@
 """Which product the cpu set's ``linear`` runs, and that each is right at awkward shapes.
 
-Three kinds of machine, forced through ``cpu.native_bf16`` and ``cpu.bf16_dot``:
+Four kinds of machine, forced through ``cpu.native_bf16``, ``cpu.bf16_dot`` and ``cpu.amx``:
 
     AVX512-BF16        bf16 x below ``cpu.BF16_DOT_ROWS`` rows: csrc/linear_bf16.cpp; from it on:
                        torch's bf16 product (run only where the CPU really has the instructions)
+    AVX512-BF16 + AMX  the same with ``cpu.NATIVE_ROWS`` for ``BF16_DOT_ROWS`` (the tiles win early)
     other native bf16  bf16 x from ``cpu.NATIVE_ROWS`` rows on: torch's bf16 product
     (AMX only)
     no native bf16     the C++ widening kernel (torch's bf16 product would be only slow, not wrong)
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"cpu kernels: {cpu.
 
 HAS_DOT = cpu.available() and cpu.bf16_dot()
 MACHINES = [pytest.param("avx512-bf16", marks=pytest.mark.skipif(not HAS_DOT, reason="no AVX512-BF16 here")),
+            pytest.param("avx512-bf16-amx", marks=pytest.mark.skipif(not HAS_DOT, reason="no AVX512-BF16 here")),
             "native-bf16-only", "no-native-bf16"]
 
 
@@ -52,12 +54,15 @@ def kernel_calls(monkeypatch):
 
 def as_machine(monkeypatch, machine):
     monkeypatch.setattr(cpu, "native_bf16", lambda: machine != "no-native-bf16")
-    monkeypatch.setattr(cpu, "bf16_dot", lambda: machine == "avx512-bf16")
+    monkeypatch.setattr(cpu, "bf16_dot", lambda: machine.startswith("avx512-bf16"))
+    monkeypatch.setattr(cpu, "amx", lambda: machine in ("avx512-bf16-amx", "native-bf16-only"))
 
 
 def expected_path(machine, rows):
     if machine == "avx512-bf16":
         return "linear_bf16" if rows < cpu.BF16_DOT_ROWS else "torch"
+    if machine == "avx512-bf16-amx":
+        return "linear_bf16" if rows < cpu.NATIVE_ROWS else "torch"
     if machine == "native-bf16-only" and rows >= cpu.NATIVE_ROWS:
         return "torch"
     return "linear"

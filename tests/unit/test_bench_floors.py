@@ -70,4 +70,78 @@ def test_for_run_gives_the_probes_ratios_to_their_floors(monkeypatch, tmp_path):
         sess.close()
     f = out["floors"]
     assert out["decode_b1_vs_floor"] == pytest.approx(2.0 / f["b1_read_ms"], rel=0.02)
-    assert out["decode_b16_vs_floor"] == pytest.approx(4.0 / f["b16_compute_ms"], rel=0.02)
+    assert out["decode_b16_vs_floor"] == pytest.approx(4.0 / f["b16_floor_ms"], rel=0.02)
+
+
+def test_decode_floors_divide_by_the_peak_when_there_is_one():
+    floors = {"read_gb_s": 20.0, "fp32_gflops": 100.0, "peak_gflops": 400.0}
+    out = bench_floors.decode_floors(floors, weight_bytes=2_000_000_000, weight_params=500_000_000, batches=(16,))
+    assert out["b16_compute_ms"] == pytest.approx(40.0)              # 16 GFLOP at 400 GFLOP/s, not at 100
+    assert out["b16_floor_ms"] == pytest.approx(100.0)               # the 2 GB read takes longer
+
+
+def test_the_workload_floor_is_the_larger_of_read_and_compute_per_step():
+    floors = {"read_gb_s": 10.0, "peak_gflops": 100.0}
+    shape = {"layer_bytes": 1e9, "layer_params": 5e8, "head_bytes": 2e8, "head_params": 1e8}
+    decode = (16, 16)            # read 1.2 GB = 0.12 s; compute 2 * (16 * 5e8 + 16 * 1e8) = 19.2 GFLOP = 0.192 s
+    prefill = (512, 0)           # no logits rows: read 0.1 s; compute 512 GFLOP = 5.12 s
+    batch1 = (1, 1)              # read 0.12 s; compute 1.2 GFLOP = 0.012 s
+    got = bench_floors.workload_floor(floors, shape, [decode, prefill, batch1])
+    assert got == pytest.approx(0.192 + 5.12 + 0.12)
+
+
+def test_compute_peaks_measure_the_kinds_the_cpu_has(monkeypatch):
+    from qwen_npu.kernels import cpu, cpu_features
+    if not cpu.available():
+        pytest.skip(f"the cpu kernels cannot be built here: {cpu.availability()[1]}")
+    peaks = bench_floors.compute_peaks(iters=200_000, reps=1)
+    assert set(peaks) <= set(bench_floors.PEAK_KINDS) and peaks["avx2_fma"] > 0
+    assert ("avx512_bf16_dot" in peaks) == cpu_features.avx512_bf16()
+    assert ("avx512_fma" in peaks) == ("avx512f" in cpu_features.cpu_flags())
+    # a limit, not a product: on one core no torch float32 product gets near twice the peak (the
+    # loose bound absorbs a noisy machine; a loop that ran at a fraction of the units would fail)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peak1 = max(bench_floors.compute_peaks(iters=2_000_000, reps=3).values())
+        torch_rate = bench_floors.gemm_rate(torch.float32, 256, 1024, 1024, reps=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert peak1 > 0.5 * torch_rate, (peak1, torch_rate)
+
+
+def test_compute_peaks_under_the_avx2_cap_measure_only_avx2(monkeypatch):
+    from qwen_npu.kernels import cpu, cpu_features
+    if not cpu.available():
+        pytest.skip(f"the cpu kernels cannot be built here: {cpu.availability()[1]}")
+    monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
+    cpu_features.cpu_flags.cache_clear()
+    try:
+        assert set(bench_floors.compute_peaks(iters=100_000, reps=1)) == {"avx2_fma"}
+    finally:
+        monkeypatch.delenv(cpu_features.ISA_ENV)
+        cpu_features.cpu_flags.cache_clear()
+
+
+def test_for_run_gives_prefill_decode_and_workload_shares(monkeypatch, tmp_path):
+    from qwen_npu import Session
+    monkeypatch.setattr(bench_floors, "measure", lambda: {"read_gb_s": 10.0, "fp32_gflops": 50.0,
+                                                          "peak_gflops": 100.0})
+    path = make_tiny_qwen3(tmp_path / "m", vocab_size=512, dtype=torch.bfloat16)
+    sess = Session.from_pretrained(path, kernels="reference")
+    try:
+        shape = bench_floors.model_shape(sess.model)
+        result = {"decode_ms_b1": 2.0, "decode_ms_b16": 4.0, "prefill_tokens": 1000, "prefill_s": 0.5,
+                  "seconds": 3.0}
+        out = bench_floors.for_run(sess.model, result, [(1000, 2), (16, 16)])
+    finally:
+        sess.close()
+    f = out["floors"]
+    assert f["b16_floor_ms"] == max(f["b1_read_ms"], f["b16_compute_ms"])
+    assert out["decode_b16_share"] == pytest.approx(f["b16_floor_ms"] / 4.0, rel=0.02)
+    rate = 2 * 1000 * shape["layer_params"] / 0.5 / 1e9
+    assert out["prefill_gflops"] == pytest.approx(rate, rel=1e-3)
+    assert out["prefill_share"] == pytest.approx(rate / 100.0, rel=1e-2)
+    floor = bench_floors.workload_floor(f, shape, [(1000, 2), (16, 16)])
+    assert out["workload_floor_s"] == pytest.approx(floor, rel=1e-3)
+    assert out["workload_share"] == pytest.approx(floor / 3.0, rel=1e-3)

@@ -251,13 +251,13 @@ def test_a_lazy_upward_import_is_caught_outside_the_exception():
     )
     modules = {"qwen_npu.inspect.snapshot", "qwen_npu.inspect.views", "qwen_npu.inspect.step_view",
                "qwen_npu.research.capture", "qwen_npu.tools.bench"}
-    found = synthetic("qwen_npu.engine.outputs", source, modules)
-    assert ("qwen_npu.inspect.snapshot", "display") in found["qwen_npu.engine.outputs"]
+    found = synthetic("qwen_npu.engine.plan", source, modules)
+    assert ("qwen_npu.inspect.snapshot", "display") in found["qwen_npu.engine.plan"]
     assert upward_imports(found) == [
-        "qwen_npu.engine.outputs (engine) -> qwen_npu.inspect.step_view (inspect, function)",
-        "qwen_npu.engine.outputs (engine) -> qwen_npu.inspect.views (inspect, top)",
-        "qwen_npu.engine.outputs (engine) -> qwen_npu.research.capture (research, function)",
-        "qwen_npu.engine.outputs (engine) -> qwen_npu.tools.bench (tools, display)",
+        "qwen_npu.engine.plan (engine) -> qwen_npu.inspect.step_view (inspect, function)",
+        "qwen_npu.engine.plan (engine) -> qwen_npu.inspect.views (inspect, top)",
+        "qwen_npu.engine.plan (engine) -> qwen_npu.research.capture (research, function)",
+        "qwen_npu.engine.plan (engine) -> qwen_npu.tools.bench (tools, display)",
     ]
 
 
