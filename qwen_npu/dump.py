@@ -181,9 +181,12 @@ class DumpStep:
         if self.kind == "mixed":
             d = self.row_kinds.count("decode")
             kind = f"mixed: {d} decode, {len(self.row_kinds) - d} prefill"
-        return (f"step {self.index} ({kind}): {self.batch_size} rows{pad}, "
-                f"{sum(self.query_lens)} tokens, "
-                f"requests {self.request_ids}{toks}")
+        recorded = self.raw.get("request_ids") if self.raw else self.request_ids
+        who = f"requests {list(recorded[:self.num_active])}" if recorded else "no request ids recorded"
+        padding = self.batch_size - self.num_active
+        if recorded and padding > 0:                     # padding rows repeat an id; they are not requests
+            who += f" + {padding} padding row{'s' if padding > 1 else ''}"
+        return f"step {self.index} ({kind}): {self.batch_size} rows{pad}, {sum(self.query_lens)} tokens, {who}{toks}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from render_floors import dtype_table, floors_lines, hf_by_dtype, user_dtype, vllm_by_dtype
-from render_machines import extra_results, machine_section
+from render_machines import ROUTING, extra_results, machine_section
 
 from qwen_npu.tools.bench_report import ratio_text
 from run_benchmarks import MIXED_STEPS
@@ -216,7 +216,7 @@ def render(res: dict, md: Path, png: Path) -> None:
         lines += ["", "`reference` is the pure-torch truth (bf16 matrix products through torch); `cpu` is the",
                   "C++ set in `kernels/cpu.py` (AVX2, fp32 arithmetic on bf16 storage; on a CPU with",
                   "AVX512-BF16, native bf16 dot products below 20 rows and torch's bf16 product from 20 rows",
-                  "on), which `kernels=\"auto\"` picks wherever it can be built.", ""]
+                  "on, from 6 rows on with AMX tiles), which `kernels=\"auto\"` picks wherever it can be built.", ""]
     if sc.get("grid"):
         ms, tok = scaling_tables(sc)
         have_png = plot(sc, png)
@@ -235,7 +235,13 @@ def render(res: dict, md: Path, png: Path) -> None:
                   "not the peers. On such a host a user runs the peers in float32; measured that way in one",
                   "sitting, qwen-npu was 1.29x faster than vLLM on `mixed` and 2.05x on `seed`. The tables above",
                   "run the peers in the dtype a user would pick on the machine measured.", ""]
-    for path in extra_results():
+    extra = extra_results()
+    if extra:
+        lines += ["## Other machines", "",
+                  "Each measured in one sitting (`run_benchmarks.py --results docs/bench/results-NAME.json`),",
+                  "every run of ours beside the limits it measured itself. Raw figures: "
+                  + ", ".join(f"[`bench/{p.name}`](bench/{p.name})" for p in extra) + ".", ""]
+    for path in extra:
         lines += machine_section(json.loads(path.read_text()))
     lines += ["## What makes qwen-npu fast here", "",
               "- The LM head runs only for the rows that sample; q/k/v and gate/up are one matrix each.",
@@ -244,14 +250,16 @@ def render(res: dict, md: Path, png: Path) -> None:
               "  6-row groups and weights in transposed 16-row panels for a 6 x 16 register tile. On a",
               "  CPU with AVX512-BF16, fewer than 20 rows (decode) take native bf16 dot products straight",
               "  from bf16 x and weights (`csrc/linear_bf16.cpp`: 8 weight rows x 2 x rows per tile), and",
-              "  20 rows and more (prefill) torch's bf16 product.",
+              "  20 rows and more (prefill) torch's bf16 product; with AMX tiles torch's product (on the",
+              "  tiles) from 6 rows, and bf16 prefill rows of 16 tokens or more attend through torch's SDPA.",
               "- Decode attention takes all KV heads of a token in one work item, so each position's K/V",
               "  (adjacent in the cache) stream through memory in order; positions are found through",
               "  offsets worked out once per item from the block table.",
               "- The weights live in one 2 MiB-aligned arena advised for transparent huge pages.",
-              "- q/k head norms and RoPE run as one kernel, SiLU-mul as another; the logits health check",
-              "  takes two passes over the logits on the CPU.",
+              "- q/k head norms and RoPE run as one kernel, SiLU-mul as another; greedy sampling and the",
+              "  logits health check share one read of the logits (`csrc/greedy.cpp`).",
               "- The scheduler does not admit a prompt in the step where another row is computing the",
               "  blocks it starts with: it waits a step and takes them from the prefix cache.",
               "- Device outputs: one int64 per row crosses to the host per step.", ""]
+    lines += [ROUTING]
     md.write_text("\n".join(lines))

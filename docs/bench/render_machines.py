@@ -14,8 +14,9 @@ RUNS = (("mixed", "`mixed`"), ("mixed, mixed steps", "`mixed`, `mixed_steps=True
 
 
 def extra_results() -> list[Path]:
-    """The results files of the other machines, in name order."""
-    return sorted(HERE.glob("results-*.json"))
+    """The results files of the other machines, in name order, a machine's capped run
+    (``results-NAME-as-ISA.json``) after its native one."""
+    return sorted(HERE.glob("results-*.json"), key=lambda p: ("-as-" in p.name, p.name))
 
 
 def _pct(v) -> str:
@@ -61,7 +62,8 @@ def limits_text(runs: dict) -> list[str]:
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in f["peaks"].items())
     return [f"Limits measured in the runs (`qwen_npu/tools/bench_floors.py`): reading memory "
             f"**{f['read_gb_s']:.1f} GB/s**; register-resident multiply-adds on both cores, GFLOP/s: {peaks} "
-            f"(the limit is the fastest, **{f['peak_gflops']:.0f}**); torch's float32 product "
+            f"(the limit is the fastest, or a product measured faster: **{f['peak_gflops']:.0f}**, "
+            f"{f['peak_kind']}); torch's float32 product "
             f"{f['fp32_gflops']:.0f} and bf16 product {f['bf16_gflops']:.0f} GFLOP/s beside them. A "
             f"workload's floor is the sum over its steps of the larger of reading the weights and "
             f"multiplying by them at the peak (the LM head only for rows that get logits; attention left "
@@ -71,7 +73,7 @@ def limits_text(runs: dict) -> list[str]:
 def machine_section(res: dict) -> list[str]:
     m, when = res.get("machine", {}), res.get("measured", {})
     cap = m.get("isa_cap")
-    title = f"## {m.get('cpu', '?')}, {m.get('cores', '?')} cores" + (f", run as an {cap.upper()} machine" if cap else "")
+    title = f"### {m.get('cpu', '?')}, {m.get('cores', '?')} cores" + (f", run as an {cap.upper()} machine" if cap else "")
     runs = res.get("workloads", {})
     dtype = user_dtype(res) or "bfloat16"
     vllm = vllm_by_dtype(res).get(dtype, {})
@@ -90,4 +92,50 @@ def machine_section(res: dict) -> list[str]:
         lines.append(f"| {label} | {r['seconds']:.1f} s ({r['out_tok_s']:.1f} out tok/s) | {peer_cell} | "
                      f"{ratio_text(peer, r, bold=True)} |")
     lines += ["", *limits_text(runs), "", *limits_table(runs), ""]
+    prof = res.get("profile", {})
+    if prof:
+        from profile_steps import PARTS
+        lines += ["Milliseconds per step by part (as in \"Where the time goes\" above):", "",
+                  "| kernels | step | " + " | ".join(PARTS) + " | total |", "|---|---|" + "---|" * (len(PARTS) + 1)]
+        for k, cases in prof.items():
+            for case, parts in cases.items():
+                lines.append(f"| `{k}` | {case} | " + " | ".join(f"{parts.get(p, 0):.1f}" for p in PARTS)
+                             + f" | **{parts.get('total', 0):.1f}** |")
+        lines.append("")
     return lines
+
+
+ROUTING = """## Kernel routing: the measurements behind the cpu set's thresholds
+
+Measured on a 2-core AVX512-BF16 host without AMX (interleaved A/B), 0.6B shapes:
+
+- `NATIVE_ROWS = 6` (CPUs with native bf16 but no AVX512-BF16 dot products): torch's bf16 product
+  (oneDNN: bf16 products, fp32 sums) was 1.3-2.3x faster than `csrc/linear.cpp` from 8 rows up;
+  below 6 rows the C++ kernel streamed the weights as fast or faster. torch's float32 product fed
+  with weights widened to fp32 on each call lost to the C++ kernel at every shape (1.1-2.3x).
+- `BF16_DOT_ROWS = 20` (AVX512-BF16): one layer's products plus the LM head, ms, dot-product kernel /
+  C++ widening kernel / torch: 1 row 11.1 / 13.5 / 16.4, 8 rows 18.1 / 31.4 / 21.9, 16 rows 25.9 /
+  41.9 / 26.8, 24 rows 33.6 / 53.8 / 33.3, 32 rows 41.2 / 67.1 / 38.6. Whole batch-16 decode steps:
+  106-108 ms with the dot-product kernel, 115-119 ms with torch's product (3 interleaved rounds);
+  batch 1: 45 ms, 53-54 ms with the widening kernel.
+- `kernels="auto"` on that host: decode steps 1.6x (batch 1) and 2.4x (batch 16) faster with the
+  cpu set than with the reference set, before the dot-product kernel.
+
+Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
+
+- With AMX, torch's bf16 product runs on the tiles and wins from a few rows: the four products of
+  a layer took 1.56 ms at 16 rows against 4.02 ms through the dot-product kernel (0.77 / 2.20 ms at
+  1 row, 1.41 / 1.59 ms at 4). Whole decode steps at context 128, three interleaved rounds, best
+  of each: batch 8 124-128 ms with torch from 2-8 rows against 175 ms with the old threshold of
+  20, batch 16 136-144 ms against 244 ms; batch 4 110-118 ms either way. So on an AMX CPU torch
+  takes over from `NATIVE_ROWS` (6) rows.
+- Prefill attention of one 512-token row, per layer: the C++ flash loop 19-28 ms, torch's SDPA in
+  bf16 4-5 ms (3-D inputs take SDPA's slow path: 26 ms; the kernel passes 4-D ones). Under
+  `QWEN_NPU_CPU_ISA=avx2` the C++ loop stays the faster (18.8 ms against 25.6 ms for SDPA in bf16
+  and 27.8 ms in fp32), so SDPA is used only with AMX (`SDPA_ROWS = 16` tokens and more).
+- Greedy sampling plus the health check of 16 rows of 151936 logits: 2.3 ms for torch's argmax
+  alone and two more passes for the check, 0.36 ms for the fused read (`greedy_health`).
+- oneDNN's bf16 product with the weights reordered once for it
+  (`torch.ops.mkldnn._reorder_linear_weight`) was bit-identical and 27% faster at 16 and 128 rows
+  (the same at 512); not used, as it keeps a second copy of the weights.
+"""

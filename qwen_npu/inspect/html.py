@@ -194,10 +194,13 @@ def pre(text: str) -> str:
     return f"<pre style='font-size:12px'>{esc(text)}</pre>"
 
 
-def clip(text: str | None, n: int = 60) -> str:
+def clip(text: str | None, n: int = 60, *, newlines: bool = True) -> str:
+    """``text`` cut to ``n`` characters ("..." ending a cut); with ``newlines``, each newline
+    shown as the two characters backslash-n, so that the text stays on one line."""
     if text is None:
         return ""
-    text = text.replace("\n", "\\n")
+    if newlines:
+        text = text.replace("\n", "\\n")
     return text if len(text) <= n else text[:n - 3] + "..."
 
 

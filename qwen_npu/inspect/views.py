@@ -51,7 +51,7 @@ def _ordered(requests) -> list[RequestSnapshot]:
 
 def _out(r: RequestSnapshot) -> str:
     if r.output_text is not None:
-        return repr(h.clip(r.output_text, 40))
+        return repr(h.clip(r.output_text, 40, newlines=False))     # repr shows a newline once, as \n
     return h.clip(str(list(r.output_token_ids)), 40)
 
 

@@ -63,6 +63,8 @@ def test_inspect_reports_the_collision_of_a_replicate_padding_run(tiny_ckpt_smal
     assert decode.batch_size == 4 and decode.num_active == 2
     slot = decode.slot_mapping[0]
     assert f"step {decode.index} (decode): 4 rows, 2 active" in out
+    ids = decode.request_ids[:2]
+    assert f"requests {ids} + 2 padding rows" in out            # padding rows are not requests
     assert f"write slot {slot}" in out and "padding" in out
     assert "PROBLEM" in out and "steps have slot problems" in out
 
@@ -77,6 +79,7 @@ def test_inspect_a_dump_written_by_another_runner(tmp_path, capsys):
     assert main(["inspect", str(path), "-v"]) == 1
     out = capsys.readouterr().out
     assert "rows 0, 2 both write slot 35" in out and "slot_mapping [35, 80, 35]" in out
+    assert "3 tokens, no request ids recorded" in out              # none invented for another runner
     doc["steps"][0]["slot_mapping"] = [35, 80, -1]
     path.write_text(json.dumps(doc))
     assert main(["inspect", str(path)]) == 0

@@ -26,8 +26,16 @@ def test_measure_reports_rates_and_the_faster_dtype(monkeypatch):
     assert f["peer_dtype"] in ("float32", "bfloat16") and f["threads"] == torch.get_num_threads()
     rates = {torch.float32: 80.0, torch.bfloat16: 190.0}
     monkeypatch.setattr(bench_floors, "gemm_rate", lambda dtype, *shape, **kw: rates[dtype])
+    monkeypatch.setattr(bench_floors, "compute_peaks", lambda: {"avx2_fma": 160.0, "avx512_fma": 320.0})
     f = bench_floors.measure()
     assert (f["fp32_gflops"], f["bf16_gflops"], f["peer_dtype"]) == (80.0, 190.0, "bfloat16")
+    assert (f["peak_gflops"], f["peak_kind"]) == (320.0, "avx512_fma")
+    # a product measured faster than the loop (a disturbed loop, or no loop at all) is the limit
+    monkeypatch.setattr(bench_floors, "compute_peaks", lambda: {"avx2_fma": 150.0})
+    f = bench_floors.measure()
+    assert (f["peak_gflops"], f["peak_kind"]) == (190.0, "torch bf16 product")
+    monkeypatch.setattr(bench_floors, "compute_peaks", dict)
+    assert bench_floors.measure()["peak_kind"] == "torch bf16 product" and f["peaks"] == {"avx2_fma": 150.0}
 
 
 def test_the_peer_dtype_follows_the_faster_product(monkeypatch):

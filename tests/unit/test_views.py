@@ -240,3 +240,21 @@ def test_inspect_slot_and_kv_slot_agree_on_who_holds_a_slot(tiny_ckpt_small_voca
         with pytest.raises(InvalidRequestError) as b:
             sess.kv.slot(bad)
         assert str(a.value) == str(b.value)
+
+
+def test_a_newline_the_model_wrote_shows_once_as_backslash_n():
+    """The requests table shows output text as its repr: a newline appears as \\n, not as \\\\n
+    (which would read as if the model had written a backslash)."""
+    import dataclasses
+    import html as html_lib
+
+    from qwen_npu.inspect import views
+    from qwen_npu.inspect.snapshot import RequestSnapshot
+    r = RequestSnapshot(id=0, status="finished", prompt_token_ids=(1,), output_token_ids=(2, 3),
+                        num_computed_tokens=2, num_cached_tokens=0, num_preemptions=0, block_table=(0,),
+                        finish_reason="stop", prompt_text="hi", output_text="user\n")
+    table = html_lib.unescape(views.requests_html([r]))
+    assert "'user\\n'" in table and "\\\\n" not in table
+    long = dataclasses.replace(r, output_text="line\n" * 20)
+    shown = html_lib.unescape(views.requests_html([long]))
+    assert "'line\\nline\\n" in shown and "\\\\n" not in shown and "...'" in shown
