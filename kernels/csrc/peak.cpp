@@ -11,8 +11,8 @@
 //
 // Twelve accumulators per thread: more chains than FMA units times their latency (2 x 4 cycles
 // on Zen 3 and on recent Xeons), so the loop runs at the units' throughput. The AVX-512 kinds are
-// compiled with a function attribute (the extension builds with AVX2 flags) and called only where
-// the CPU reports the instructions.
+// compiled with a function attribute (the extension builds with AVX2 flags) and refused where the
+// CPU lacks the instructions (for AMX: where Linux does not grant the tiles).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <chrono>
@@ -141,6 +141,11 @@ std::tuple<double, double> fma_peak(int64_t kind, int64_t iters) {
   if (iters <= 0) throw std::invalid_argument("fma_peak: iters must be positive");
 #ifndef QN_PEAK_AVX512
   if (kind == 1 || kind == 2) throw std::invalid_argument("fma_peak: this build has no AVX-512 loops (compiler too old)");
+#else
+  if (kind == 1 && !__builtin_cpu_supports("avx512f"))
+    throw std::invalid_argument("fma_peak: this CPU has no AVX-512F");
+  if (kind == 2 && !__builtin_cpu_supports("avx512bf16"))
+    throw std::invalid_argument("fma_peak: this CPU has no AVX512-BF16");
 #endif
   if (kind == 3 && !peak_has_amx()) throw std::invalid_argument("fma_peak: no AMX tiles in this build or process");
   const int64_t threads = at::get_num_threads();

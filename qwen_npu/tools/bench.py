@@ -227,7 +227,7 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
         result["decode_ms_b1"], result["decode_host_ms_b1"] = decode_probe(sess, 1)
         result["decode_ms_b16"], result["decode_host_ms_b16"] = decode_probe(sess, cfg.max_batch)
         result["decode_host_share_b16"] = round(result["decode_host_ms_b16"] / result["decode_ms_b16"], 4)
-        result["probe_context"] = PROBE_CONTEXT
+        result["probe_context"], result["probe_batch"] = PROBE_CONTEXT, cfg.max_batch
     mem = sess.memory()
     result["memory"] = {"weights": mem.weights, "kv_cache": mem.kv_cache, "buffers": mem.buffers,
                         "before_load": rss_before_load, "rss_now": _rss_now()}
@@ -241,7 +241,7 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
     if floors and sess.model.device.type == "cpu":
         if log:
             log("measuring the machine's limits (read bandwidth, multiply-add peaks, torch's product rates)")
-        result.update(bench_floors.for_run(sess.model, result, shapes))
+        result.update(bench_floors.for_run(sess.model, result, shapes, batch=cfg.max_batch))
     device_used = cfg.device
     sess.close()
     if compare == "hf":

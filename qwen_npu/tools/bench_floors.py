@@ -56,13 +56,13 @@ def _best_seconds(fn, reps: int, clock=time.perf_counter) -> float:
     return max(best, 1e-9)
 
 
-def read_bandwidth(nbytes: int = READ_BYTES, reps: int = REPS + 2) -> float:
+def read_bandwidth(nbytes: int | None = None, reps: int = REPS + 2) -> float:
     """GB/s of one pass over ``nbytes`` of float32 (a sum), best of ``reps``, in memory laid out as
     the model's weights are: a huge-page arena (``model.arena.WeightArena``) where the kernel
     gives one, else an ordinary tensor. The page size matters: on a 2-core EPYC the same sum read
     32 GB/s in 4 KiB pages and 58 GB/s in 2 MiB pages, and the weights live in the latter."""
     from ..model.arena import WeightArena
-    n = max(nbytes // 4, 1)
+    n = max((nbytes or READ_BYTES) // 4, 1)
     arena = WeightArena.allocate(n * 4)
     x = arena.buffer[:n * 4].view(torch.float32) if arena is not None else torch.empty(n)
     x.fill_(1.0)
@@ -132,6 +132,22 @@ def model_weights(model) -> tuple[int, int]:
     return s["layer_bytes"] + s["head_bytes"], s["layer_params"] + s["head_params"]
 
 
+FLOAT32_KINDS = ("avx2_fma", "avx512_fma", "torch float32 product")   # what a float32 model can run on
+
+
+def usable_peak(floors: dict, dtype: torch.dtype) -> tuple[float, str]:
+    """(GFLOP/s, kind): the limit for a model of ``dtype`` among the rates ``floors`` measured —
+    a float32 model cannot use the bf16 instructions (dot products, AMX tiles, torch's bf16
+    product), a bf16 model can use any (the cpu set widens bf16 to float32 where it has to)."""
+    achieved = {**floors.get("peaks", {}), "torch float32 product": floors["fp32_gflops"]}
+    if "bf16_gflops" in floors:
+        achieved["torch bf16 product"] = floors["bf16_gflops"]
+    if dtype == torch.float32:
+        achieved = {k: v for k, v in achieved.items() if k in FLOAT32_KINDS}
+    kind = max(achieved, key=achieved.get)
+    return achieved[kind], kind
+
+
 def _peak(floors: dict) -> float:
     return floors.get("peak_gflops") or floors["fp32_gflops"]
 
@@ -171,16 +187,21 @@ def user_dtype(device: str) -> str:
     return "bfloat16" if faster else "float32"
 
 
-def for_run(model, result: dict, steps=None) -> dict:
+def for_run(model, result: dict, steps=None, batch: int = 16) -> dict:
     """``floors`` (the machine's limits and ``model``'s decode floors) and the run's figures as
     shares of them: with the decode probes in ``result``, ``decode_b1_vs_floor`` and
     ``decode_b16_vs_floor`` (probe / the larger of its read and compute floors: 1.0 is the floor)
     and ``decode_b16_share`` (the inverse: 1.0 is the limit); with prefill in the run, ``prefill_gflops`` (the layers' products
     per second of prefill steps) and ``prefill_share`` of the peak; with ``steps`` (the run's
-    [(tokens, logits rows)]), ``workload_floor_s`` and ``workload_share`` (floor / seconds)."""
+    [(tokens, logits rows)]), ``workload_floor_s`` and ``workload_share`` (floor / seconds).
+    The limit is the one usable in the model's dtype (``usable_peak``); ``batch``: the rows of the
+    batch probe (its figures keep the ``b16`` names whatever ``batch`` is)."""
     floors = measure()
+    floors["peak_gflops"], floors["peak_kind"] = usable_peak(floors, model.dtype)
     shape = model_shape(model)
-    floors.update(decode_floors(floors, *model_weights(model)))
+    floors.update(decode_floors(floors, *model_weights(model), batches=(1, batch)))
+    if batch != 16:                                 # the probe's floors under the names it is read by
+        floors["b16_compute_ms"], floors["b16_floor_ms"] = floors[f"b{batch}_compute_ms"], floors[f"b{batch}_floor_ms"]
     out = {"floors": floors}
     if result.get("decode_ms_b1"):
         out["decode_b1_vs_floor"] = round(result["decode_ms_b1"] / floors["b1_read_ms"], 2)

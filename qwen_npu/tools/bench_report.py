@@ -31,16 +31,18 @@ def limit_lines(r: dict) -> list[str]:
     """The machine's limits and the run's shares of them (``bench_floors.for_run``)."""
     f = r["floors"]
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in f.get("peaks", {}).items()) or "none measured"
-    lines = [f"  limits     read {f['read_gb_s']:.1f} GB/s; multiply-add peak {f.get('peak_gflops', 0):.0f} "
-             f"GFLOP/s ({peaks}); torch's float32 product {f['fp32_gflops']:.0f}, bf16 product "
-             f"{f['bf16_gflops']:.0f} GFLOP/s (load {f['load']:.1f})"]
+    lines = [f"  limits     read {f['read_gb_s']:.1f} GB/s; compute limit {f.get('peak_gflops', 0):.0f} GFLOP/s "
+             f"({f.get('peak_kind', '?')}, for the model's dtype; multiply-add peaks {peaks}); torch's "
+             f"float32 product {f['fp32_gflops']:.0f}, bf16 product {f['bf16_gflops']:.0f} GFLOP/s "
+             f"(load {f['load']:.1f})"]
     if "prefill_share" in r:
         lines.append(f"  vs limits  prefill {r['prefill_gflops']:.0f} GFLOP/s on the layers' products = "
                      f"{_pct(r['prefill_share'])} of the peak")
     if "decode_b1_vs_floor" in r:
         bound = "reading the weights" if f["b16_floor_ms"] == f["b1_read_ms"] else "the peak"
         lines.append(f"  vs limits  decode batch 1 {r['decode_b1_vs_floor']:.2f}x the read floor "
-                     f"({f['b1_read_ms']:.1f} ms); batch 16 at {_pct(r['decode_b16_share'])} of its limit "
+                     f"({f['b1_read_ms']:.1f} ms); batch {r.get('probe_batch', 16)} at "
+                     f"{_pct(r['decode_b16_share'])} of its limit "
                      f"(floor {f['b16_floor_ms']:.1f} ms, set by {bound})")
     if "workload_share" in r:
         lines.append(f"  vs limits  the workload's floor {r['workload_floor_s']:.2f} s = "
@@ -70,10 +72,11 @@ def format_text(r: dict) -> str:
                      f"({r['mixed_tokens']} tokens) in {r['mixed_s']:.2f} s")
     if "decode_ms_b1" in r:
         lines.append(f"  decode     per step at context {r['probe_context']}: batch 1 {ms(r['decode_ms_b1'])}, "
-                     f"batch 16 {ms(r['decode_ms_b16'])}")
+                     f"batch {r.get('probe_batch', 16)} {ms(r['decode_ms_b16'])}")
     if "decode_host_ms_b16" in r:
-        lines.append(f"  host       outside the forward: batch 1 {r['decode_host_ms_b1']:.2f} ms, batch 16 "
-                     f"{r['decode_host_ms_b16']:.2f} ms ({100 * r['decode_host_share_b16']:.1f}% of its step)")
+        lines.append(f"  host       outside the forward: batch 1 {r['decode_host_ms_b1']:.2f} ms, batch "
+                     f"{r.get('probe_batch', 16)} {r['decode_host_ms_b16']:.2f} ms "
+                     f"({100 * r['decode_host_share_b16']:.1f}% of its step)")
     lines += memory_lines(r)
     lines.append(f"  transfers  {r['d2h_bytes_per_token']:.1f} B device-to-host per generated token "
                  f"({r['h2d_bytes_per_token']:.1f} B host-to-device)")

@@ -134,7 +134,7 @@ def test_compute_peaks_under_the_avx2_cap_measure_only_avx2(monkeypatch):
 def test_for_run_gives_prefill_decode_and_workload_shares(monkeypatch, tmp_path):
     from qwen_npu import Session
     monkeypatch.setattr(bench_floors, "measure", lambda: {"read_gb_s": 10.0, "fp32_gflops": 50.0,
-                                                          "peak_gflops": 100.0})
+                                                          "peaks": {"avx2_fma": 100.0}})
     path = make_tiny_qwen3(tmp_path / "m", vocab_size=512, dtype=torch.bfloat16)
     sess = Session.from_pretrained(path, kernels="reference")
     try:
@@ -153,3 +153,30 @@ def test_for_run_gives_prefill_decode_and_workload_shares(monkeypatch, tmp_path)
     floor = bench_floors.workload_floor(f, shape, [(1000, 2), (16, 16)])
     assert out["workload_floor_s"] == pytest.approx(floor, rel=1e-3)
     assert out["workload_share"] == pytest.approx(floor / 3.0, rel=1e-3)
+
+
+def test_the_limit_follows_the_model_dtype():
+    floors = {"peaks": {"avx2_fma": 160.0, "avx512_fma": 320.0, "avx512_bf16_dot": 150.0, "amx_bf16": 3000.0},
+              "fp32_gflops": 250.0, "bf16_gflops": 900.0}
+    assert bench_floors.usable_peak(floors, torch.float32) == (320.0, "avx512_fma")      # no bf16 units
+    assert bench_floors.usable_peak(floors, torch.bfloat16) == (3000.0, "amx_bf16")
+    floors["peaks"] = {"avx2_fma": 100.0}
+    assert bench_floors.usable_peak(floors, torch.float32) == (250.0, "torch float32 product")
+
+
+def test_for_run_takes_the_probe_batch_and_the_model_dtype(monkeypatch, tmp_path):
+    from qwen_npu import Session
+    monkeypatch.setattr(bench_floors, "measure", lambda: {
+        "read_gb_s": 10.0, "fp32_gflops": 50.0, "bf16_gflops": 400.0,
+        "peaks": {"avx2_fma": 100.0, "amx_bf16": 4000.0}, "peak_gflops": 4000.0, "peak_kind": "amx_bf16"})
+    path = make_tiny_qwen3(tmp_path / "m", vocab_size=512, dtype=torch.float32)
+    sess = Session.from_pretrained(path, kernels="reference")
+    try:
+        out = bench_floors.for_run(sess.model, {"decode_ms_b1": 2.0, "decode_ms_b16": 4.0}, batch=4)
+        params = bench_floors.model_weights(sess.model)[1]
+    finally:
+        sess.close()
+    f = out["floors"]
+    assert (f["peak_gflops"], f["peak_kind"]) == (100.0, "avx2_fma")                  # a float32 model
+    assert f["b4_compute_ms"] == pytest.approx(2 * 4 * params / 100e9 * 1e3, abs=0.006)
+    assert f["b16_floor_ms"] == f["b4_floor_ms"] and "b16_compute_ms" in f          # the probe's batch
