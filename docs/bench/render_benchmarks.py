@@ -123,7 +123,9 @@ def plot(sc: dict, png: Path) -> bool:
     return True
 
 
-def render(res: dict, md: Path, png: Path) -> None:
+def render(res: dict, md: Path, png: Path, extra: list[Path] | None = None) -> None:
+    """Write the page for ``res``, then a section per other machine's results file (``extra``,
+    by default every ``docs/bench/results-*.json``)."""
     m = res.get("machine", {})
     sc = res.get("scaling", {})
     when = res.get("measured", {})
@@ -235,7 +237,7 @@ def render(res: dict, md: Path, png: Path) -> None:
                   "not the peers. On such a host a user runs the peers in float32; measured that way in one",
                   "sitting, qwen-npu was 1.29x faster than vLLM on `mixed` and 2.05x on `seed`. The tables above",
                   "run the peers in the dtype a user would pick on the machine measured.", ""]
-    extra = extra_results()
+    extra = extra_results() if extra is None else extra
     if extra:
         lines += ["## Other machines", "",
                   "Each measured in one sitting (`run_benchmarks.py --results docs/bench/results-NAME.json`),",

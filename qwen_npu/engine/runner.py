@@ -75,13 +75,15 @@ class DeviceLogits:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The device view. Raises StaleOutputError once a later step reused the buffer."""
+        """The device view. Raises StaleOutputError once a later step of the same kind committed
+        (its buffers are then free for the step after, which may overwrite these rows)."""
         if self._private is not None:
             return self._private
         if self.is_stale:
             raise StaleOutputError(
-                f"the logits of step {self.step_index} were overwritten by a later step that reused "
-                f"the same device buffer; call .clone() on them before running another step to keep them")
+                f"the logits of step {self.step_index} are stale: a later step of the same kind has "
+                f"committed, and each kind's two output buffers are used in turn, so the next such step "
+                f"may overwrite them; call .clone() on them before running another step to keep them")
         return self._buffer.tensor[:self._rows]
 
     def view_unchecked(self) -> torch.Tensor:

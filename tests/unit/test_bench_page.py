@@ -11,10 +11,13 @@ BENCH = Path(__file__).parents[2] / "docs" / "bench"
 @pytest.fixture
 def render(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
-    for name in ("render_benchmarks", "render_floors", "run_benchmarks", "profile_steps"):
+    for name in ("render_benchmarks", "render_floors", "render_machines", "run_benchmarks", "profile_steps"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     import render_benchmarks
-    return render_benchmarks.render
+
+    def page(res, md, png, extra=()):
+        return render_benchmarks.render(res, md, png, extra=list(extra))
+    return page
 
 
 def run(seconds, out_tok_s=10.0, **extra):
@@ -62,3 +65,28 @@ def test_a_page_without_the_mixed_steps_run_has_no_row_for_it(render, tmp_path):
     md = tmp_path / "benchmarks.md"
     render(res, md, tmp_path / "plot.png")
     assert "mixed_steps=True" not in md.read_text()
+
+
+def test_another_machine_gets_its_section_with_every_run_beside_its_limits(render, tmp_path):
+    limits = {"read_gb_s": 20.0, "peaks": {"avx2_fma": 160.0, "amx_bf16": 3000.0}, "peak_gflops": 3000.0,
+              "peak_kind": "amx_bf16", "fp32_gflops": 150.0, "bf16_gflops": 600.0, "peer_dtype": "bfloat16"}
+    mem = {"weights": 2**30, "kv_cache": 2**29, "buffers": 2**25, "before_load": 2**28}
+    other = {"machine": {"cpu": "Other CPU", "cores": 2, "torch": "2.13.0+cpu", "threads": 2,
+                         "cpu_capability": "AVX512", "isa_cap": None},
+             "measured": {"workloads": "2026-12-02 00:30"},
+             "workloads": {"mixed": run(60.0, floors=limits, prefill_gflops=300.0, prefill_share=0.1,
+                                        decode_b1_vs_floor=1.1, decode_b16_share=0.5, workload_share=0.35,
+                                        decode_host_ms_b16=2.5, decode_host_share_b16=0.018,
+                                        peak_rss_bytes=2 * 2**30, memory=mem)},
+             "vllm": {"bfloat16": {"mixed": run(40.0)}}}
+    path = tmp_path / "results-other.json"
+    import json
+    path.write_text(json.dumps(other))
+    md = tmp_path / "benchmarks.md"
+    render(RESULTS, md, tmp_path / "plot.png", extra=[path])
+    page = md.read_text()
+    assert "### Other CPU, 2 cores" in page
+    assert "| `mixed` | 60.0 s (10.0 out tok/s) | 40.0 s | 1.50x slower |" in page
+    assert "(the limit is the fastest, or a product measured faster: **3000**, amx_bf16)" in page
+    # 2 GiB peak = 1 + 0.5 + 0.03 + 0.25 GiB, rest 0.22 GiB (11%)
+    assert "| `mixed` | 300 (10%) | 1.10x | 50% | 35% | 2.50 (1.8%) | 2.00: 1.00 + 0.50 + 0.03 + 0.25, rest 0.22 (11%) |" in page
