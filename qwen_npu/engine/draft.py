@@ -4,9 +4,10 @@
                  (requests untouched, manager untouched, generators untouched)   │
                                                                 plain assignments ┘
 
-``RequestDraft`` stands in for a ``Request`` while a step is planned and booked: it reads through
-to the request for what never changes (id, prompt, sampling) and keeps its own copy of every field
-a step changes (status, token counts, output tokens, log-probabilities, stop state). ``StepDraft``
+``RequestDraft`` stands in for a ``Request`` while a step is planned and booked: it holds the
+request's fields that never change (id, prompt, sampling), read when the draft is made, and its
+own copy of every field a step changes (status, token counts, output tokens, log-probabilities,
+stop state). ``StepDraft``
 holds the drafts, a clone of the cache manager and copies of the random generators a step draws
 from. Nothing live changes until ``apply``, which only assigns: it cannot fail half way.
 """
@@ -19,15 +20,16 @@ from .request import ABORTED, DECODING, FINISHED, FIXED_FIELDS, PREFILLING, STEP
 
 class RequestDraft:
     """A request as a step in progress sees it (see the module docstring). Its fields are exactly
-    ``Request.STEP_FIELDS`` (copied) and ``Request.FIXED_FIELDS`` (read through to the request);
-    any other name is an AttributeError, so a field a draft does not know cannot be read silently
-    from the live request."""
+    ``Request.STEP_FIELDS`` (staged here, written back by ``StepDraft.apply``) and
+    ``Request.FIXED_FIELDS`` (the request's, which no step changes); any other name is an
+    AttributeError, so a field a draft does not know cannot be read silently from the live
+    request."""
 
-    __slots__ = ("request", "_tokens_copied") + STEP_FIELDS
+    __slots__ = ("request", "_tokens_copied") + FIXED_FIELDS + STEP_FIELDS
 
     def __init__(self, req: Request):
         self.request = req
-        for name in STEP_FIELDS:
+        for name in FIXED_FIELDS + STEP_FIELDS:
             setattr(self, name, getattr(req, name))     # the lists are copied before the first append
         self._tokens_copied = False
 
@@ -144,14 +146,6 @@ def preempt(draft: StepDraft, d: RequestDraft) -> None:
     d.status = WAITING
     d.num_preemptions += 1
 
-
-def _read_through(name: str) -> property:
-    return property(lambda self: getattr(self.request, name),
-                    doc=f"``Request.{name}`` (never changed by a step)")
-
-
-for _name in FIXED_FIELDS:
-    setattr(RequestDraft, _name, _read_through(_name))
 
 RUNNING = (PREFILLING, DECODING)
 DONE = (FINISHED, ABORTED)

@@ -1,0 +1,35 @@
+"""A request draft: exactly the request's fields, the changing ones staged until the step commits."""
+import pytest
+
+from qwen_npu import SamplingParams
+from qwen_npu.cache.manager import KVCacheManager
+from qwen_npu.engine.draft import RequestDraft, StepDraft
+from qwen_npu.engine.request import FIXED_FIELDS, STEP_FIELDS, Request
+
+
+def make_request() -> Request:
+    return Request(7, [1, 2, 3], SamplingParams(max_new_tokens=4, stop_token_ids=[9]), frozenset({9}),
+                   block_table=lambda request_id: [])
+
+
+def test_a_draft_has_the_request_fields_and_nothing_else():
+    req = make_request()
+    d = RequestDraft(req)
+    for name in FIXED_FIELDS + STEP_FIELDS:
+        assert getattr(d, name) == getattr(req, name), name
+    with pytest.raises(AttributeError):
+        d.block_table                      # a Request property no step stages: not read silently
+    with pytest.raises(AttributeError):
+        d.not_a_field = 1
+
+
+def test_staged_tokens_reach_the_request_only_when_the_draft_is_applied():
+    req = make_request()
+    step = StepDraft(KVCacheManager(num_blocks=4, block_size=4), requests={req.id: req})
+    d = step.of(req)
+    step.stage_token(d, 5)
+    step.stage_token(d, 9)                  # a stop token id, past min_new_tokens 0
+    assert req.output_token_ids == [] and req.status == "waiting"
+    assert (d.output_token_ids, d.status, d.finish_reason, d.stop_reason) == ([5, 9], "finished", "stop", 9)
+    step.apply({})
+    assert (req.output_token_ids, req.status, req.finish_reason, req.stop_reason) == ([5, 9], "finished", "stop", 9)
