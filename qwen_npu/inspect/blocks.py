@@ -64,6 +64,7 @@ class BlocksSnapshot:
     entries: tuple[BlockEntry, ...]
     stats: PrefixCacheStats           # the counters at the time of the snapshot (frozen)
     step: int                         # the session's step counter when taken
+    free_queue: tuple[int, ...] = ()  # allocatable blocks (free, then cached ones), the next taken first
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -136,7 +137,8 @@ def take_blocks(manager, token_ids: Mapping[int, list[int]], step: int = 0) -> B
         tokens = info.token_ids if info.block_hash is not None else held.get(b, ())
         entries.append(BlockEntry(b, state, info.ref_count, tuple(sorted(holders.get(b, ()))),
                                   info.block_hash, info.parent_hash, tuple(tokens)))
-    return BlocksSnapshot(bs, manager.enable_prefix_cache, tuple(entries), manager.stats, step)
+    return BlocksSnapshot(bs, manager.enable_prefix_cache, tuple(entries), manager.stats, step,
+                          tuple(manager.pool.free_queue()))
 
 
 def take_session_blocks(sess) -> BlocksSnapshot:

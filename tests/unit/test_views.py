@@ -258,3 +258,14 @@ def test_a_newline_the_model_wrote_shows_once_as_backslash_n():
     long = dataclasses.replace(r, output_text="line\n" * 20)
     shown = html_lib.unescape(views.requests_html([long]))
     assert "'line\\nline\\n" in shown and "\\\\n" not in shown and "...'" in shown
+
+
+def test_the_blocks_snapshot_shows_the_free_queue_in_the_order_blocks_are_handed_out(tiny_ckpt_small_vocab):
+    sess = small_session(tiny_ckpt_small_vocab)
+    before = sess.blocks.free_queue
+    assert sorted(before) == list(range(len(sess.blocks)))       # every block free, each once
+    a = sess.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    sess.step()
+    taken = len(a.block_table)
+    assert a.block_table == list(before[:taken])                   # the head of the queue went first
+    assert sess.blocks.free_queue == before[taken:]
