@@ -192,35 +192,55 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if meta.is_decode or query.dtype != torch.bfloat16 or not amx():
         return ops().paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, float(scale))
+    split = _last_split
+    if split is None or split[0] is not meta:            # once per step: every layer shares the metadata
+        split = _split_rows(meta)
     out = torch.empty_like(query)
-    starts = [0, *itertools.accumulate(meta.query_lens_host)]
-    short = [r for r, n in enumerate(meta.query_lens_host) if n < SDPA_ROWS]
-    for r, n in enumerate(meta.query_lens_host):
-        if n >= SDPA_ROWS:
-            out[starts[r]:starts[r + 1]] = _sdpa_row(query[starts[r]:starts[r + 1]], key_cache, value_cache,
-                                                     meta.block_tables[r], meta.seq_lens_host[r], scale)
-    if short:                  # the rest (decode rows of a mixed step, short chunks) in one fp32 call
-        tokens = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in short])
-        lens = [meta.query_lens_host[r] for r in short]
-        rows = torch.tensor(short)
-        out[tokens] = ops().paged_attention(
-            query[tokens], key_cache, value_cache, meta.block_tables[rows], meta.seq_lens[rows],
-            torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32), float(scale))
+    for a, b, table, context, mask in split[1]:
+        out[a:b] = _sdpa_row(query[a:b], key_cache, value_cache, table, context, mask, scale)
+    if split[2] is not None:     # the rest (decode rows of a mixed step, short chunks) in one fp32 call
+        tokens, tables, seq_lens, starts = split[2]
+        out[tokens] = ops().paged_attention(query[tokens], key_cache, value_cache, tables, seq_lens, starts,
+                                            float(scale))
     return out
 
 
+_last_split: tuple | None = None
+
+
+def _split_rows(meta: AttentionMetadata) -> tuple:
+    """(meta, the SDPA rows [(token start, end, block table, context, mask or None)], the C++ rows
+    (token index, block tables, seq_lens, query starts) or None), kept for the step's next layers."""
+    global _last_split
+    starts = [0, *itertools.accumulate(meta.query_lens_host)]
+    long, short = [], []
+    for r, n in enumerate(meta.query_lens_host):
+        if n < SDPA_ROWS:
+            short.append(r)
+            continue
+        context = meta.seq_lens_host[r]
+        mask = None              # queries past a cached prefix: key j is visible to query i if j <= start + i
+        if n < context:
+            mask = torch.arange(context)[None, :] <= torch.arange(context - n, context)[:, None]
+        long.append((starts[r], starts[r + 1], meta.block_tables[r], context, mask))
+    rest = None
+    if short:
+        rows = torch.tensor(short)
+        lens = [meta.query_lens_host[r] for r in short]
+        rest = (torch.cat([torch.arange(starts[r], starts[r + 1]) for r in short]), meta.block_tables[rows],
+                meta.seq_lens[rows], torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32))
+    _last_split = (meta, long, rest)
+    return _last_split
+
+
 def _sdpa_row(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
-              context: int, scale: float) -> torch.Tensor:
-    """One row's causal attention: q [L, H, D] at positions context-L .. context-1 over the row's
-    K/V 0 .. context-1, gathered from its blocks -> [L, H, D]."""
+              context: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One row's attention: q [L, H, D] at positions context-L .. context-1 over the row's K/V
+    0 .. context-1, gathered from its blocks -> [L, H, D]; causal when ``mask`` is None (L == context)."""
     block_size = key_cache.shape[1]
     blocks = table[:-(-context // block_size)].long()
     k = key_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)            # [KV, S, D]
     v = value_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)
-    n = q.shape[0]
-    mask = None
-    if n < context:                  # queries start past 0: key j is visible to query i if j <= start + i
-        mask = torch.arange(context)[None, :] <= torch.arange(context - n, context)[:, None]
     y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
                                        is_causal=mask is None, scale=scale, enable_gqa=True)   # 4-D: the
     return y[0].transpose(0, 1)                                     # flash path (3-D takes the slow one)

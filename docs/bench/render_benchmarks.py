@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from render_floors import dtype_table, floors_lines, hf_by_dtype, user_dtype, vllm_by_dtype
-from render_machines import ROUTING, extra_results, machine_section
+from render_machines import ROUTING, extra_results, machine_section, profile_table
 
 from qwen_npu.tools.bench_report import ratio_text
 from run_benchmarks import MIXED_STEPS
@@ -198,17 +198,11 @@ def render(res: dict, md: Path, png: Path, extra: list[Path] | None = None) -> N
                   "are only taken between figures of one sitting.", ""]
     prof = res.get("profile", {})
     if prof:
-        from profile_steps import PARTS
         lines += ["## Where the time goes", "",
                   "Milliseconds per step by part (`docs/bench/profile_steps.py`): each kernel function timed",
                   "from outside, `other` = the rest of the forward (embedding, activation, residual adds),",
                   "`engine` = the step outside the forward (scheduling, slot checks, buffers, sampling).", "",
-                  "| kernels | step | " + " | ".join(PARTS) + " | total |", "|---|---|" + "---|" * (len(PARTS) + 1)]
-        for k, cases in prof.items():
-            for case, parts in cases.items():
-                lines.append(f"| `{k}` | {case} | " + " | ".join(_f(parts.get(p)) for p in PARTS)
-                             + f" | **{_f(parts.get('total'))}** |")
-        lines.append("")
+                  *profile_table(prof), ""]
     ks = sc.get("kernels", {})
     if ks:
         lines += ["## Kernel sets", "",

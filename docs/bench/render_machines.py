@@ -94,14 +94,22 @@ def machine_section(res: dict) -> list[str]:
     lines += ["", *limits_text(runs), "", *limits_table(runs), ""]
     prof = res.get("profile", {})
     if prof:
-        from profile_steps import PARTS
         lines += ["Milliseconds per step by part (as in \"Where the time goes\" above):", "",
-                  "| kernels | step | " + " | ".join(PARTS) + " | total |", "|---|---|" + "---|" * (len(PARTS) + 1)]
-        for k, cases in prof.items():
-            for case, parts in cases.items():
-                lines.append(f"| `{k}` | {case} | " + " | ".join(f"{parts.get(p, 0):.1f}" for p in PARTS)
-                             + f" | **{parts.get('total', 0):.1f}** |")
-        lines.append("")
+                  *profile_table(prof), ""]
+    return lines
+
+
+def profile_table(prof: dict) -> list[str]:
+    """{kernel set: {step: {part: ms}}} (``profile_steps.profile``) as a Markdown table."""
+    from profile_steps import PARTS
+
+    def ms(v):
+        return "–" if v is None else f"{v:.1f}"
+    lines = ["| kernels | step | " + " | ".join(PARTS) + " | total |", "|---|---|" + "---|" * (len(PARTS) + 1)]
+    for k, cases in prof.items():
+        for case, parts in cases.items():
+            lines.append(f"| `{k}` | {case} | " + " | ".join(ms(parts.get(p)) for p in PARTS)
+                         + f" | **{ms(parts.get('total'))}** |")
     return lines
 
 

@@ -105,14 +105,12 @@ def compute_peaks(iters: int | None = None, reps: int | None = None) -> dict[str
 
 def measure() -> dict:
     """The machine's limits as one flat dict (see the module docstring), with the load average."""
-    peaks = compute_peaks()
-    fp32 = _sig(gemm_rate(torch.float32, *FP32_SHAPE))
-    bf16 = _sig(gemm_rate(torch.bfloat16, *BF16_SHAPE))
-    achieved = {**peaks, "torch float32 product": fp32, "torch bf16 product": bf16}
-    kind = max(achieved, key=achieved.get)          # never below a rate measured in the same run
-    return {"read_gb_s": _sig(read_bandwidth()), "peaks": peaks, "peak_gflops": achieved[kind],
-            "peak_kind": kind, "fp32_gflops": fp32, "bf16_gflops": bf16,
-            "peer_dtype": user_dtype("cpu"), "threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2)}
+    floors = {"read_gb_s": _sig(read_bandwidth()), "peaks": compute_peaks(),
+              "fp32_gflops": _sig(gemm_rate(torch.float32, *FP32_SHAPE)),
+              "bf16_gflops": _sig(gemm_rate(torch.bfloat16, *BF16_SHAPE))}
+    floors["peak_gflops"], floors["peak_kind"] = usable_peak(floors, torch.bfloat16)   # every kind
+    return {**floors, "peer_dtype": user_dtype("cpu"), "threads": torch.get_num_threads(),
+            "load": round(os.getloadavg()[0], 2)}
 
 
 def model_shape(model) -> dict:
