@@ -84,7 +84,9 @@ def test_json_report_has_the_figures_and_the_hf_comparison(tiny_ckpt, capsys, sm
     assert_ratio_at_rounding(r["decode_b1_vs_floor"], r["decode_ms_b1"], f["b1_read_ms"])
     assert_ratio_at_rounding(r["decode_b16_vs_floor"], r["decode_ms_b16"], f["b16_floor_ms"])
     assert r["decode_b16_share"] == pytest.approx(f["b16_floor_ms"] / r["decode_ms_b16"], rel=0.01)
-    assert 0 < r["prefill_share"] and 0 < r["workload_share"] < 1.5 and r["workload_floor_s"] > 0
+    # shares of limits measured on a busy machine may exceed 1: check how they are formed, not their size
+    assert r["prefill_share"] > 0 and r["workload_floor_s"] > 0
+    assert r["workload_share"] == pytest.approx(r["workload_floor_s"] / r["seconds"], rel=0.01)
     # host time: the step less its forward, never more than the step
     assert 0 < r["decode_host_ms_b16"] <= r["decode_ms_b16"] and 0 < r["decode_host_ms_b1"] <= r["decode_ms_b1"]
     m = r["memory"]
