@@ -16,11 +16,11 @@ every failure to load it into a reason in words; ``resolve_device("npu")`` raise
 from __future__ import annotations
 
 # first: npu_runtime guards ``import torch`` (torch-npu without CANN breaks it) with a clear message
-from .npu_runtime import (CANN_FIX, _probe_torch_npu, load_torch_npu,  # noqa: F401  isort: skip
-                          npu_status, torch_import_hint)
-import torch  # noqa: E402  isort: skip
+from .npu_runtime import (CANN_FIX, _probe_torch_npu, installed_op_support,  # noqa: F401  isort: skip
+                          load_torch_npu, npu_status, torch_import_hint)
+import torch  # isort: skip
 
-from ..errors import DeviceError, warn  # noqa: E402
+from ..errors import DeviceError, warn
 
 KERNEL_CHOICES = ("auto", "reference", "npu", "cpu")
 
@@ -93,7 +93,7 @@ def resolve_kernels(name: str, device: torch.device | str) -> str:
     if name == "reference":
         return "reference"
     if name == "npu":
-        if kind != "npu":
+        if kind != npu_kernels_device_type():
             raise DeviceError(f"kernels='npu' needs an npu device, but the device is {str(device)!r}; "
                               f"use kernels='reference' (or 'auto'), or device='npu'")
         return "npu"
@@ -106,7 +106,7 @@ def prepare_kernels(name: str, device: torch.device | str) -> str:
     (no compiler, a failed build), it warns with the reason and runs the reference set;
     an explicit ``kernels="cpu"`` that cannot build is a ``DeviceError``."""
     chosen = resolve_kernels(name, device)
-    if device_type(device) != "cpu":
+    if device_type(device) != "cpu" or chosen == "npu":
         return chosen
     from ..kernels import build, cpu, cpu_choice  # lazy: the cpu set is imported only for a cpu device
     if chosen == "reference":
@@ -122,6 +122,14 @@ def prepare_kernels(name: str, device: torch.device | str) -> str:
              f"`qwen-npu env` shows the error, `qwen-npu build-kernels` tries again")
         return "reference"
     return chosen
+
+
+def npu_kernels_device_type() -> str:
+    """The device type the npu kernel set runs its fused ops on: ``kernels.npu.DEVICE_TYPE``,
+    "npu". The CPU stand-in tests point it at "cpu" (with a stand-in for torch_npu), which is
+    how a whole Session runs the npu set's code path without a card."""
+    from ..kernels import npu  # lazy: imports no torch_npu
+    return npu.DEVICE_TYPE
 
 
 def cpu_kernels_choice() -> tuple[str, str]:

@@ -64,6 +64,45 @@ def npu_status() -> tuple[bool, str]:
     return count > 0, reason
 
 
+# the ops the npu kernel set calls: torch_npu's custom (aclnn) ops, and the ATB op it can decode with
+CUSTOM_OPS = ("npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score", "npu_rms_norm",
+              "npu_add_rms_norm", "npu_apply_rotary_pos_emb")
+ATB_OPS = ("_npu_paged_attention",)
+
+
+def op_support(module: ModuleType) -> dict[str, str | None]:
+    """{op: None where the installed stack can run it, else why not} for the kernel set's ops.
+
+    A custom op is there when ``module`` (torch_npu) exports it. An ATB op is there only when
+    torch_npu's ATB library loaded, which needs the NNAL package (``libatb``): then the op is
+    registered as ``torch.ops.atb.<op>`` (``torch_npu.<op>`` exists either way, as a wrapper that
+    raises when called without NNAL). Nothing is run on the device."""
+    version = getattr(module, "__version__", "?")
+    out: dict[str, str | None] = {
+        op: None if callable(getattr(module, op, None)) else f"torch_npu {version} has no {op}"
+        for op in CUSTOM_OPS}
+    for op in ATB_OPS:
+        out[op] = None if _atb_registered(op) else (
+            f"torch.ops.atb.{op} is not registered (torch_npu's ATB library did not load: install "
+            f"the NNAL package matching CANN and source its set_env.sh)")
+    return out
+
+
+def _atb_registered(op: str) -> bool:
+    try:
+        getattr(torch.ops.atb, op)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def installed_op_support() -> dict[str, str | None]:
+    """``op_support`` of the torch_npu this process loads (probed once); {} without torch_npu."""
+    module, _, _ = _probe_torch_npu()
+    return {} if module is None else op_support(module)
+
+
 def load_torch_npu() -> ModuleType:
     """The torch_npu module, imported through the guarded probe; DeviceError if it cannot load."""
     module, _, reason = _probe_torch_npu()

@@ -51,8 +51,8 @@ def env_report() -> EnvReport:
         ("qwen_npu", _version("qwen-npu")),
         ("python", f"{platform.python_version()} ({platform.python_implementation()}) {sys.executable}"),
         ("platform", platform.platform()),
-        ("torch", f"{torch.__version__} (cuda {torch.version.cuda or 'none'}, "
-                  f"{torch.get_num_threads()} cpu threads)"),
+        ("torch", (f"{torch.__version__} (cuda {torch.version.cuda or 'none'}, "
+                   f"{torch.get_num_threads()} cpu threads)")),
         ("transformers", _version("transformers")),
         ("tokenizers", _version("tokenizers")),
         ("torch_npu", _version("torch-npu", "torch_npu")),
@@ -62,6 +62,7 @@ def env_report() -> EnvReport:
     ]
     npu_ok, npu_reason = devices.npu_status()
     items.append(("npu devices", _npu_devices() if npu_ok else npu_reason))
+    items.append(("npu attention", npu_attention_choice(devices.installed_op_support())))
     items += _cpu_kernels()
     items += _session_choice()
     env = ", ".join(f"{k}={os.environ[k]}" for k in ENV_VARS if k in os.environ)
@@ -82,7 +83,7 @@ def cann_version() -> str:
                     text = fh.read()
             except OSError:
                 continue
-            m = re.search(r"^\s*(?:version|Version)\s*=\s*\[?([^\]\s:]+)", text, re.M)
+            m = re.search(r"^\s*(?:version|Version)\s*=\s*\[?([^\]\s:]+)", text, re.MULTILINE)
             if m:
                 return f"{m.group(1)} ({root})"
     return "not found"
@@ -111,6 +112,22 @@ def _npu_devices() -> str:
         return f"{npu.device_count()} visible (names unavailable: {e})"
 
 
+def npu_attention_choice(support: dict[str, str | None]) -> str:
+    """Which attention ops the npu kernel set takes on this stack (``npu_runtime.op_support``):
+    FIA for every batch where torch_npu has it, ATB paged attention for the decode steps FIA
+    cannot take where NNAL is installed."""
+    if not support:
+        return "- (torch_npu not loaded)"
+    fia, atb = support.get("npu_fused_infer_attention_score"), support.get("_npu_paged_attention")
+    parts = ["npu_fused_infer_attention_score for every step" if fia is None else f"no FIA: {fia}"]
+    parts.append("_npu_paged_attention for decode FIA cannot take" if atb is None else f"no ATB decode: {atb}")
+    missing = [op for op, why in support.items() if why is not None and op not in
+               ("npu_fused_infer_attention_score", "_npu_paged_attention")]
+    if missing:
+        parts.append("missing, run by the reference kernels: " + ", ".join(missing))
+    return "; ".join(parts)
+
+
 def _cpu_kernels() -> list[tuple[str, str]]:
     """Can the cpu set be built here, is it built (or did its build fail, and how), and what
     kernels="auto" picks on this CPU and why."""
@@ -137,9 +154,9 @@ def _session_choice() -> list[tuple[str, str]]:
     except Exception as e:  # noqa: BLE001 - the report must still print
         return [("session default", f"cannot resolve device 'auto': {e}")]
     outputs = device_outputs_default()
-    return [("session default", f"device={dev}, kernels={kernels}, "
-                                f"block_size={devices.default_block_size(dev)}, "
-                                f"device_outputs={'on' if outputs else 'off'}")]
+    return [("session default", (f"device={dev}, kernels={kernels}, "
+                                 f"block_size={devices.default_block_size(dev)}, "
+                                 f"device_outputs={'on' if outputs else 'off'}"))]
 
 
 def add_env_parser(subparsers) -> None:

@@ -50,3 +50,10 @@ def meta(wheel) -> MetaFunctions:
 def scenarios(meta):
     from standin_kit import run_scenarios
     return run_scenarios(meta)
+
+
+@pytest.fixture(scope="session")
+def valued_scenarios(meta):
+    """The same scenarios recorded on the cpu, so the rules that read values can run."""
+    from standin_kit import run_scenarios
+    return run_scenarios(meta, "cpu")

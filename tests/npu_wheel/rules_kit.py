@@ -38,19 +38,30 @@ def _tensor(a, op, name, dim=None, dtypes=None):
     return t
 
 
-def reshape_and_cache(a, op="_npu_reshape_and_cache"):
-    kc = _tensor(a, op, "key_cache", 4, HALF)                 # [blocks, block_size, kv_heads, D]
-    vc = _tensor(a, op, "value_cache", 4, HALF)
-    need(vc.shape == kc.shape and vc.dtype == kc.dtype, op, "value_cache", "must match key_cache")
-    slots = _tensor(a, op, "slot_indices", 1, (torch.int32,))
-    for name in ("key", "value"):
-        t = _tensor(a, op, name, 3, (kc.dtype,))               # [tokens, kv_heads, D]
+def scatter_kv(a, op="npu_scatter_pa_kv_cache"):
+    # docs: cache_mode None/'Norm' = ND caches only (the default 'PA_NZ' wants the NZ layout)
+    need(a["cache_mode"] == "Norm", op, "cache_mode", f"must be 'Norm' for ND caches, got {a['cache_mode']!r}")
+    kc = _tensor(a, op, "key_cache", 4, HALF + (torch.float32,))   # [blocks, block_size, kv_heads, D]
+    vc = _tensor(a, op, "value_cache", 4, (kc.dtype,))              # docs: 数据类型必须一致
+    need(vc.shape == kc.shape, op, "value_cache", "must match key_cache")
+    slots = _tensor(a, op, "slot_mapping", 1, (torch.int32, torch.int64))
+    for name in ("key", "value"):                                    # docs scenario 2: [T, N, D]
+        t = _tensor(a, op, name, 3, (kc.dtype,))
         need(t.shape == (slots.shape[0], *kc.shape[2:]), op, name,
              f"must be [tokens, kv_heads, head_dim] = {[slots.shape[0], *kc.shape[2:]]}, got {list(t.shape)}")
-        need(t.is_contiguous(), op, name, "must be contiguous")
-    # the wheel does not say what a negative slot does: the kernel must never pass one
-    need(bool((slots >= 0).all()) and bool((slots < kc.shape[0] * kc.shape[1]).all()), op, "slot_indices",
-         "must hold cache slots 0 <= slot < blocks * block_size")
+    for name in ("key", "value", "key_cache", "value_cache", "slot_mapping"):
+        need(a[name].is_contiguous(), op, name, "must be contiguous (docs: 输入参数不支持非连续)")
+    for name in ("compress_lens", "compress_seq_offsets", "seq_lens"):
+        need(a[name] is None, op, name, "is for the compressed 4-D form only")
+
+
+def scatter_kv_values(a, op="npu_scatter_pa_kv_cache"):
+    slots, kc = _valued(a, op, "slot_mapping"), a["key_cache"]
+    # docs: [0, num_blocks*block_size-1], no repeats; -1: skipped (vllm-ascend's tests of the op)
+    need(bool(((slots >= -1) & (slots < kc.shape[0] * kc.shape[1])).all()), op, "slot_mapping",
+         "must hold -1 (skip) or a cache slot 0 <= slot < blocks * block_size")
+    kept = slots[slots >= 0]
+    need(kept.unique().numel() == kept.numel(), op, "slot_mapping", "must not name one slot twice")
 
 
 def paged_attention(a, op="_npu_paged_attention"):
@@ -72,6 +83,28 @@ def paged_attention(a, op="_npu_paged_attention"):
     need(out.shape == q.shape and out.dtype == q.dtype, op, "out", "must have the query's shape and dtype")
 
 
+def block_ids(a, op, num_blocks):
+    """docs (FIA): block ids are not validated, the caller guarantees them; padding included."""
+    bt = _valued(a, op, "block_table")
+    need(int(bt.min()) >= 0 and int(bt.max()) < num_blocks, op, "block_table",
+         f"must hold block ids 0 <= id < {num_blocks}, padding included (got {int(bt.min())}..{int(bt.max())})")
+
+
+def paged_attention_values(a, op="_npu_paged_attention"):
+    block_ids(a, op, a["key_cache"].shape[0])
+
+
+def fused_infer_attention_values(a, op="npu_fused_infer_attention_score"):
+    if a["block_table"] is not None:
+        block_ids(a, op, a["key"].shape[0])
+
+
+def _valued(a, op, name):
+    t = a[name]
+    need(t.device.type != "meta", op, name, "was recorded without values (meta): record on the cpu")
+    return t
+
+
 def fused_infer_attention(a, op="npu_fused_infer_attention_score"):
     q = _tensor(a, op, "query", 3, HALF)
     need(a["input_layout"] == "TND", op, "input_layout", "is expected to be 'TND' here")
@@ -83,19 +116,46 @@ def fused_infer_attention(a, op="npu_fused_infer_attention_score"):
     need(all(x >= 0 for x in cum) and all(b >= p for p, b in itertools.pairwise(cum)) and cum[-1] == tokens,
          op, "actual_seq_lengths", f"must be cumulative query lengths ending at T = {tokens}, got {list(cum)}")
     qlens = [b - p for p, b in zip([0, *cum], cum)]
-    # docs (page attention): block_table int32 2-D, first dim B, second >= max blocks per sequence
-    bt = _tensor(a, op, "block_table", 2, (torch.int32,))
-    need(bt.device == q.device, op, "block_table", "must be on the query's device")
-    need(bt.shape[0] == len(cum), op, "block_table", f"must have B = {len(cum)} rows")
     kv = a["actual_seq_lengths_kv"]
     need(kv is not None and len(kv) == len(cum), op, "actual_seq_lengths_kv",
-         f"is required with page attention and holds one length per batch (B = {len(cum)})")
+         f"is required with TND and holds one value per batch (B = {len(cum)})")
     key, value = _tensor(a, op, "key", 3, (q.dtype,)), _tensor(a, op, "value", 3, (q.dtype,))
     need(value.shape == key.shape, op, "value", "must have the key's shape")
     kv_heads = a["num_key_value_heads"]
     need(a["num_heads"] == heads, op, "num_heads", f"must be query.shape[1] = {heads}")
     need(kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= 64, op, "num_key_value_heads",
          "must divide num_heads with a ratio of at most 64")
+    need(head_dim % 16 == 0, op, "query", "D must be a multiple of 16 for float16/bfloat16")
+    if a["block_table"] is None:
+        kvlens = _unpaged(a, op, key, kv, kv_heads, head_dim)
+    else:
+        kvlens = _paged(a, op, q, key, kv, kv_heads, head_dim, len(cum))
+    # docs: sparse_mode 3 = rightDownCausal, with the optimised 2048x2048 mask
+    need(a["sparse_mode"] == 3, op, "sparse_mode", "is expected to be 3 (rightDownCausal)")
+    mask = _tensor(a, op, "atten_mask", dtypes=(torch.bool, torch.int8, torch.uint8))
+    need(mask.device == q.device, op, "atten_mask", "must be on the query's device")
+    need(tuple(mask.shape) in MASK_SHAPES, op, "atten_mask", f"must be 2048x2048, got {list(mask.shape)}")
+    # docs: sparse_mode=3 refuses a batch whose actual_seq_lengths_kv - actual_seq_lengths < 0
+    need(all(k >= n for k, n in zip(kvlens, qlens)), op, "actual_seq_lengths_kv",
+         "must be at least each batch's query length (sparse_mode=3)")
+
+
+def _unpaged(a, op, key, kv, kv_heads, head_dim):
+    """docs (TND without page attention): actual_seq_lengths_kv cumulative, like the queries'."""
+    need(all(b >= p for p, b in itertools.pairwise(kv)) and kv[0] >= 0 and kv[-1] == key.shape[0],
+         op, "actual_seq_lengths_kv", f"must be cumulative kv lengths ending at {key.shape[0]}, got {list(kv)}")
+    need(tuple(key.shape[1:]) == (kv_heads, head_dim), op, "key",
+         f"must be [kv tokens, kv_heads, D] without a block_table, got {list(key.shape)}")
+    need(key.is_contiguous() and a["value"].is_contiguous(), op, "key", "must be contiguous")
+    return [b - p for p, b in zip([0, *kv], kv)]
+
+
+def _paged(a, op, q, key, kv, kv_heads, head_dim, batches):
+    """docs (page attention): block_table int32 2-D, B rows, at least the longest row's blocks;
+    actual_seq_lengths_kv per batch; the (blocks, block_size, H) cache layout."""
+    bt = _tensor(a, op, "block_table", 2, (torch.int32,))
+    need(bt.device == q.device, op, "block_table", "must be on the query's device")
+    need(bt.shape[0] == batches, op, "block_table", f"must have B = {batches} rows")
     need(key.shape[2] == kv_heads * head_dim, op, "key",
          f"must be (blocks, block_size, kv_heads * D), got {list(key.shape)}")
     need(kv_heads * head_dim <= 65535, op, "key", "KV_N * D must not exceed 65535 in (blocks, block_size, H)")
@@ -104,14 +164,7 @@ def fused_infer_attention(a, op="npu_fused_infer_attention_score"):
     need(bs % 128 == 0 and 128 <= bs <= 512, op, "block_size", "must be a multiple of 128 in 128..512")
     need(all(bt.shape[1] >= math.ceil(n / bs) for n in kv), op, "block_table",
          "second dim must cover the longest actual_seq_lengths_kv")
-    need(head_dim % 16 == 0, op, "query", "D must be a multiple of 16 for float16/bfloat16")
-    # docs: sparse_mode 3 = rightDownCausal, with the optimised 2048x2048 mask
-    need(a["sparse_mode"] == 3, op, "sparse_mode", "is expected to be 3 (rightDownCausal)")
-    mask = _tensor(a, op, "atten_mask", dtypes=(torch.bool, torch.int8, torch.uint8))
-    need(mask.device == q.device, op, "atten_mask", "must be on the query's device")
-    need(tuple(mask.shape) in MASK_SHAPES, op, "atten_mask", f"must be 2048x2048, got {list(mask.shape)}")
-    need(all(k >= n for k, n in zip(kv, qlens)), op, "actual_seq_lengths_kv",
-         "must be at least each batch's query length (sparse_mode=3)")
+    return list(kv)
 
 
 def rms_norm(a, op="npu_rms_norm", x="self"):
@@ -141,8 +194,8 @@ def rotary(a, op="npu_apply_rotary_pos_emb"):
         need(a[name].shape[2] == 1, op, name, "must be (B, S, 1, D)")
 
 
-RULES = {
-    "_npu_reshape_and_cache": reshape_and_cache,
+RULES = {   # every recorded call: the signature's types are bound first (check_call)
+    "npu_scatter_pa_kv_cache": scatter_kv,
     "_npu_paged_attention": paged_attention,
     "npu_fused_infer_attention_score": fused_infer_attention,
     "npu_rms_norm": rms_norm,
@@ -150,12 +203,60 @@ RULES = {
     "npu_apply_rotary_pos_emb": rotary,
 }
 
+VALUE_RULES = {   # calls recorded with values (on the cpu): what shapes cannot show
+    "npu_scatter_pa_kv_cache": scatter_kv_values,
+    "_npu_paged_attention": paged_attention_values,
+    "npu_fused_infer_attention_score": fused_infer_attention_values,
+}
 
-def check_call(signatures, call) -> dict:
-    """Bind one recorded call to its op's signature and apply the op's rules: the bound
-    arguments, or BindError / RuleError naming the op and the argument."""
+# the outputs of each functional op that the kernel contract needs (the rest, e.g. rstd, may go)
+NEEDED_OUTPUTS = {
+    "npu_fused_infer_attention_score": (0,),
+    "npu_rms_norm": (0,),
+    "npu_add_rms_norm": (0, 2),
+    "npu_apply_rotary_pos_emb": (0, 1),
+}
+
+
+def no_empty_tensors(op: str, bound: dict) -> None:
+    """No custom op gets an empty tensor (docs, rope: 不支持空Tensor on A2/A3; vllm-ascend never
+    passes one): a call with nothing to do is skipped by the kernel."""
+    for name, value in bound.items():
+        if isinstance(value, torch.Tensor):
+            need(value.numel() > 0, op, name, f"is an empty tensor {list(value.shape)}: skip the call instead")
+
+
+def check_call(signatures, call, *, values: bool = False) -> dict:
+    """Bind one recorded call to its op's signature and apply the op's rules (``values``: also
+    the rules that read tensor contents): the bound arguments, or BindError / RuleError naming
+    the op and the argument."""
     if call.op not in signatures:
         raise BindError(f"{call.op}: the wheel has no such op")
     bound = bind(signatures[call.op], call.args, call.kwargs)
+    no_empty_tensors(call.op, bound)
     RULES[call.op](bound)
+    if values and call.op in VALUE_RULES:
+        VALUE_RULES[call.op](bound)
     return bound
+
+
+def derives_from(tensor, source) -> bool:
+    """``tensor`` is ``source`` or a view of it (through any chain of views)."""
+    while tensor is not None:
+        if tensor is source:
+            return True
+        tensor = tensor._base
+    return False
+
+
+def check_results_used(signatures, calls, outputs) -> None:
+    """Every functional op's needed outputs (NEEDED_OUTPUTS) are among the kernel's ``outputs``
+    (or views of them): a kernel that drops them returns something the op did not compute."""
+    outputs = [o for o in (outputs if isinstance(outputs, tuple) else (outputs,)) if isinstance(o, torch.Tensor)]
+    for call in calls:
+        if not signatures[call.op].functional:
+            continue
+        results = call.result if isinstance(call.result, tuple) else (call.result,)
+        for i in NEEDED_OUTPUTS[call.op]:
+            need(any(derives_from(o, results[i]) for o in outputs), call.op, f"result {i}",
+                 "is dropped: the kernel must return what the functional op returns")

@@ -34,6 +34,12 @@ class Signature:
     op: str
     params: tuple[Param, ...]
     source: str        # the wheel file it was read from
+    returns: int = 0   # how many tensors the schema returns
+
+    @property
+    def functional(self) -> bool:
+        """Returns its results and writes no argument: a caller that drops them loses the op."""
+        return self.returns > 0 and not any(p.mutable for p in self.params)
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -51,7 +57,7 @@ def from_schema(schema: str, source: str) -> Signature:
     params = tuple(Param(a.name, str(a.type), a.default_value if a.has_default_value() else NO_DEFAULT,
                          a.kwarg_only, bool(a.alias_info and a.alias_info.is_write))
                    for a in parsed.arguments)
-    return Signature(parsed.name.split("::")[-1], params, source)
+    return Signature(parsed.name.split("::")[-1], params, source, len(parsed.returns))
 
 
 def custom_schemas(yaml_text: str, source: str) -> dict[str, Signature]:

@@ -29,6 +29,9 @@ RELIED_DEFAULTS = [
     ("npu_fused_infer_attention_score", "pre_tokens", 2147483647),
     ("npu_fused_infer_attention_score", "next_tokens", 2147483647),
     ("_npu_paged_attention", "workspace", None),
+    ("npu_scatter_pa_kv_cache", "compress_lens", None),
+    ("npu_scatter_pa_kv_cache", "compress_seq_offsets", None),
+    ("npu_scatter_pa_kv_cache", "seq_lens", None),
 ]
 
 
@@ -118,9 +121,9 @@ def swapped(call, a, b):
 WRONG_CALLS = [   # scenario, op, swapped pair, the argument the check must name
     ("rms_norm, hidden", "npu_rms_norm", (1, 2), "gamma"),
     ("add_rms_norm", "npu_add_rms_norm", (2, 3), "gamma"),
-    ("decode", "_npu_paged_attention", ("num_kv_heads", "scale_value"), "num_kv_heads"),
-    ("decode", "_npu_paged_attention", ("block_table", "context_lens"), "block_table"),
-    ("write_kv", "_npu_reshape_and_cache", (3, 4), "value_cache"),
+    ("decode, ATB (no FIA)", "_npu_paged_attention", ("num_kv_heads", "scale_value"), "num_kv_heads"),
+    ("decode, ATB (no FIA)", "_npu_paged_attention", ("block_table", "context_lens"), "block_table"),
+    ("write_kv", "npu_scatter_pa_kv_cache", ("key_cache", "slot_mapping"), "key_cache"),
     ("prefill chunk", "npu_fused_infer_attention_score",
      ("actual_seq_lengths", "actual_seq_lengths_kv"), "actual_seq_lengths"),
     ("rope", "npu_apply_rotary_pos_emb", (0, 2), "cos"),
@@ -138,7 +141,7 @@ def test_a_swapped_call_is_caught_naming_op_and_argument(signatures, scenarios, 
 
 
 def test_a_keyword_the_op_does_not_have_is_caught(signatures, scenarios):
-    call = next(c for c in scenarios["decode"].calls if c.op == "_npu_paged_attention")
+    call = next(c for c in scenarios["decode, ATB (no FIA)"].calls if c.op == "_npu_paged_attention")
     wrong = copy.copy(call)
     wrong.kwargs = {("seq_lens" if k == "context_lens" else k): v for k, v in call.kwargs.items()}
     with pytest.raises(BindError, match=r"_npu_paged_attention: has no argument 'seq_lens'"):
@@ -146,10 +149,10 @@ def test_a_keyword_the_op_does_not_have_is_caught(signatures, scenarios):
 
 
 def test_a_missing_required_argument_is_caught(signatures, scenarios):
-    call = next(c for c in scenarios["write_kv"].calls if c.op == "_npu_reshape_and_cache")
+    call = next(c for c in scenarios["write_kv"].calls if c.op == "npu_scatter_pa_kv_cache")
     wrong = copy.copy(call)
-    wrong.args = call.args[:4]
-    with pytest.raises(BindError, match=r"_npu_reshape_and_cache: argument 'slot_indices' is required"):
+    wrong.kwargs = {k: v for k, v in call.kwargs.items() if k != "slot_mapping"}
+    with pytest.raises(BindError, match=r"npu_scatter_pa_kv_cache: argument 'slot_mapping' is required"):
         check_call(signatures, wrong)
 
 
