@@ -12,10 +12,13 @@ but does all arithmetic in fp32:
                        once, many rows (prefill) run
                        a 6 x 16 register tile: x packed in 6-row
                        groups, weights in transposed 16-row panels.
-                       On a CPU with AVX512-BF16, below torch_rows()    bf16 products (exact in
-                       rows: C++ (csrc/linear_bf16.cpp) native bf16     fp32), fp32 sums
-                       dot products, from it on torch's bf16 product
-                       (NATIVE_ROWS with AMX tiles, else BF16_DOT_ROWS)
+                       On a CPU with native bf16 (AVX512-BF16, AMX),    bf16 products (exact in
+                       a Session's matrices are reordered once at load  fp32), fp32 sums
+                       for oneDNN (``prepare_weight``, kernels/onednn.py)
+                       and every product runs on them; plain bf16
+                       weights below torch_rows() rows: C++
+                       (csrc/linear_bf16.cpp) native bf16 dot products,
+                       from it on torch's bf16 product
     paged_attention  C++ (csrc/attention*.cpp): each token reads only fp32 scores, softmax and
                        its own visible context through the block        weighted sum
                        table (no gather, no padding to the longest
@@ -57,8 +60,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import build, cpu_features, reference
+from . import build, cpu_features, onednn, reference
 from .metadata import AttentionMetadata
+from .onednn import prepare_weight  # noqa: F401  (the model's load)
+from .onednn import prepares as prepares_weights
 
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
@@ -163,9 +168,13 @@ def torch_rows() -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T -> [..., N] in x's dtype, accumulated in fp32.
 
-    bf16 x and weights from ``torch_rows()`` rows on: torch's bf16 product; fewer rows on a CPU
-    with AVX512-BF16: csrc/linear_bf16.cpp (native bf16 dot products); everything else:
+    A weight from ``prepare_weight`` (bf16 on a CPU with native bf16: how a Session holds its
+    matrices there): oneDNN's product on the reordered weight (kernels/onednn.py). Plain bf16
+    weights: from ``torch_rows()`` rows on torch's bf16 product; fewer rows on a CPU with
+    AVX512-BF16, csrc/linear_bf16.cpp (native bf16 dot products); everything else,
     csrc/linear.cpp (weights widened in registers)."""
+    if weight.is_mkldnn:
+        return onednn.linear(x, weight)
     if weight.dtype == torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight)
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() > 0 and native_bf16():

@@ -22,7 +22,7 @@ namespace qwen_npu_cpu {
 namespace {
 
 constexpr int64_t CHUNK = 32;          // context positions per step of the flash loop (2 x 16)
-constexpr int64_t MAX_QUERY_ROWS = 16;  // tokens x heads per tile
+constexpr int64_t MAX_QUERY_ROWS = 64;  // tokens x heads per tile
 
 // Tokens [0, T) of one row (token i sees positions [0, first_visible + i)), KV head kvh.
 // q and out point at the first token's first head of this KV head; token stride H * D.

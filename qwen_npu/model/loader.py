@@ -218,10 +218,10 @@ def _read_file(file: Path, names: list[str], shapes: dict[str, tuple[int, ...]],
                into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Read ``names`` from one safetensors file, checking presence and shape before reading data.
 
-    With ``into``, every name is checked first; then each tensor is copied (converting its dtype)
-    into ``into[name]``, which is returned. Each copy reads through a handle of its own: the
-    file's mapping, and the pages of it that the copy made resident, go with the handle, so
-    besides ``into`` at most one tensor's worth of the file is resident at a time."""
+    Every name is checked first; then each tensor is read (with ``into``: copied, converting its
+    dtype, into ``into[name]``) through a handle of its own: the file's mapping, and the pages of
+    it that the read made resident, go with the handle, so besides the tensors read at most one
+    tensor's worth of the file is resident at a time."""
     out: dict[str, torch.Tensor] = {}
     name = "<header>"
     try:
@@ -234,11 +234,9 @@ def _read_file(file: Path, names: list[str], shapes: dict[str, tuple[int, ...]],
                 if found != shapes[name]:
                     raise CheckpointError(f"{file}: tensor {name!r} has shape {list(found)}, expected "
                                           f"{list(shapes[name])} (from config.json)")
-                if into is None:
-                    out[name] = fh.get_tensor(name)
-        for name in names if into is not None else ():
+        for name in names:
             with safe_open(str(file), framework="pt", device="cpu") as fh:
-                out[name] = into[name].copy_(fh.get_tensor(name))
+                out[name] = fh.get_tensor(name) if into is None else into[name].copy_(fh.get_tensor(name))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt?) "
                               f"while reading tensor {name!r}: {e}") from None

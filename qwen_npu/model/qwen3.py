@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..kernels import onednn
 from ..kernels.metadata import AttentionMetadata
 from .arena import concat_rows
 from .hooks import ForwardHook, LayerPoints
@@ -52,25 +53,40 @@ class Qwen3Model:
     """Qwen3ForCausalLM forward over a paged KV cache; stateless between calls."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels, *,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, consume: bool = False):
+        """``weights`` by Hugging Face name (``loader.load_checkpoint``). A kernel set with a
+        ``prepare_weight`` holds the matrices (q|k|v, o, gate|up, down, the LM head) in its own
+        form, made here once; ``layers[i].o`` and the like are then that form (``dense_weight``
+        gives the plain matrix), while ``embed`` and ``lm_head`` stay plain for the embedding
+        lookup and the research tools (a reordered LM head is a second copy: ``head``).
+        ``consume``: take each matrix out of ``weights`` as its layer is built, so that a plain
+        matrix whose prepared form exists is freed before the next layer is prepared."""
         self.config = config
         self.kernels = kernels
         c = config
+        prepare = getattr(kernels, "prepare_weight", None)
+        take = weights.pop if consume else weights.__getitem__
+
+        def matrix(*names: str) -> torch.Tensor:
+            plain = concat_rows([take(n) for n in names]) if len(names) > 1 else take(names[0])
+            return plain if prepare is None else prepare(plain)
+
         self.embed = weights["model.embed_tokens.weight"]               # [vocab, hidden]
         self.lm_head = weights["lm_head.weight"]                          # [vocab, hidden]
+        self.head = self.lm_head if prepare is None else prepare(self.lm_head)   # what the LM head multiplies by
         self.norm = weights["model.norm.weight"]
         self.layers: list[LayerWeights] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             self.layers.append(LayerWeights(
                 input_norm=weights[p + "input_layernorm.weight"],
-                qkv=concat_rows([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                qkv=matrix(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
                 q_norm=weights[p + "self_attn.q_norm.weight"],
                 k_norm=weights[p + "self_attn.k_norm.weight"],
-                o=weights[p + "self_attn.o_proj.weight"],
+                o=matrix(p + "self_attn.o_proj.weight"),
                 post_norm=weights[p + "post_attention_layernorm.weight"],
-                gate_up=concat_rows([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
-                down=weights[p + "mlp.down_proj.weight"],
+                gate_up=matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=matrix(p + "mlp.down_proj.weight"),
             ))
         self.points = [LayerPoints.of_layer(i) for i in range(c.num_hidden_layers)]
         self.scale = c.head_dim ** -0.5
@@ -98,7 +114,7 @@ class Qwen3Model:
         ``hidden_out`` [rows_out, hidden] are optional preallocated outputs (written in place).
         """
         k_ = self.kernels
-        linear = getattr(k_, "linear", F.linear)     # a kernel set may bring its own (F.linear's contract)
+        linear = getattr(k_, "linear", _linear)      # a kernel set may bring its own (F.linear's contract)
         qk_norm_rope = getattr(k_, "qk_norm_rope", None) if hook is None else None   # hooks see pre-RoPE q/k
         silu_mul = getattr(k_, "silu_mul", _silu_mul)
         c = self.config
@@ -145,10 +161,10 @@ class Qwen3Model:
         h = tap("final_norm", h)
         if hidden_out is not None:
             hidden_out.copy_(h)
-        if logits_out is not None and logits_out.dtype == h.dtype:
-            logits = torch.mm(h, self.lm_head.t(), out=logits_out)          # [rows_out, vocab]
+        if logits_out is not None and logits_out.dtype == h.dtype and not self.head.is_mkldnn:
+            logits = torch.mm(h, self.head.t(), out=logits_out)             # [rows_out, vocab]
         else:
-            logits = linear(h, self.lm_head)
+            logits = linear(h, self.head)
             if logits_out is not None:
                 logits = logits_out.copy_(logits)
         edited = tap("logits", logits)
@@ -221,6 +237,18 @@ NO_TAP = NoTap()
 
 def tap_for(hook: ForwardHook | None, rms_norm: Callable, eps: float) -> Tap | NoTap:
     return NO_TAP if hook is None else Tap(hook, rms_norm, eps)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` for a kernel set without its own ``linear``; takes a weight another set
+    reordered too (a model forwarded with other kernels, as ``research.attention`` does)."""
+    return onednn.linear(x, weight) if weight.is_mkldnn else F.linear(x, weight)
+
+
+def dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The plain [out, in] matrix of a model weight, whatever form the kernel set holds it in
+    (a copy, bit for bit, where the set reordered it: ``weight.is_mkldnn``)."""
+    return weight.to_dense() if weight.is_mkldnn else weight
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..inspect import html as H
+from ..model.qwen3 import dense_weight
 
 DLA_NAMES = ("embed", "layers.*.attn.z", "layers.*.mlp.out", "layers.*.residual")
 
@@ -125,7 +126,7 @@ def direct_logit_attribution(sess, cap, request, target: int, baseline: int | No
     hd = c.head_dim
     for i, layer in enumerate(model.layers):
         z = at(f"layers.{i}.attn.z")                                           # [heads, hd]
-        o = layer.o.float().reshape(c.hidden_size, c.num_attention_heads, hd)  # [hidden, heads, hd]
+        o = dense_weight(layer.o).float().reshape(c.hidden_size, c.num_attention_heads, hd)  # [hidden, heads, hd]
         heads.append(torch.einsum("hd,nhd,n->h", z, o, d))
         mlp.append(at(f"layers.{i}.mlp.out") @ d)
     actual = float(unembed_diff(model, r, target, baseline))

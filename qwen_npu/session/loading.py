@@ -12,7 +12,7 @@ from . import memory
 from ..cache.kv_cache import bytes_per_block
 from ..config import ModelConfig, SessionConfig, device_outputs_default, sync_timings_default
 from ..kernels import get_kernels
-from ..model.loader import load_checkpoint
+from ..model.loader import load_checkpoint, resolve_dtype
 from ..model.qwen3 import Qwen3Model
 from .options import SessionOptions
 from ..text.tokenizer import Tokenizer
@@ -34,8 +34,13 @@ def load_session(path, options: SessionOptions) -> tuple[Qwen3Model, SessionConf
     max_model_len = o.max_model_len or min(mc.max_position_embeddings, 8192)
     block_size = o.block_size or devices.default_block_size(dev)
     load_dtype = None if o.dtype == "auto" else o.dtype
-    _, weights = load_checkpoint(path, dtype=load_dtype, device=dev)
-    model = Qwen3Model(mc, weights, get_kernels(kernel_name), max_positions=max_model_len)
+    kernels = get_kernels(kernel_name)
+    # A set that holds the matrices in its own form gets plain tensors, not arena views: each
+    # plain matrix is freed once its prepared form exists (an arena would keep its pages).
+    prepares = getattr(kernels, "prepares_weights", lambda dtype: False)(resolve_dtype(load_dtype, mc))
+    _, weights = load_checkpoint(path, dtype=load_dtype, device=dev, arena=not prepares)
+    model = Qwen3Model(mc, weights, kernels, max_positions=max_model_len, consume=prepares)
+    del weights
     num_blocks = o.num_blocks
     if o.kv_memory is not None:
         num_blocks = memory.blocks_for_model(o.kv_memory, mc, model.dtype, dev, block_size)

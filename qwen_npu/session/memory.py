@@ -160,6 +160,9 @@ def _unique_bytes(tensors) -> int:
     for t in tensors:
         if t is None or t.numel() == 0:
             continue
+        if t.is_mkldnn:                    # a weight the kernel set reordered: opaque, its own memory
+            seen[-id(t)] = t.nbytes
+            continue
         s = t.untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
