@@ -8,14 +8,14 @@ from types import ModuleType
 from . import cpu_features  # noqa: F401  (applies QWEN_NPU_CPU_ISA before torch dispatches)
 from .metadata import AttentionMetadata
 
-KERNEL_SETS = ("reference", "npu", "cpu")
+KERNEL_SETS = ("reference", "npu", "cpu", "cuda")
 
 
 def get_kernels(name: str = "reference") -> ModuleType:
-    """The kernel module called ``name`` ("reference", "npu" or "cpu")."""
+    """The kernel module called ``name`` ("reference", "npu", "cpu" or "cuda")."""
     if name not in KERNEL_SETS:
         raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")
     return importlib.import_module(f"{__name__}.{name}")
 
 
-__all__ = ["AttentionMetadata", "KERNEL_SETS", "get_kernels"]
+__all__ = ["KERNEL_SETS", "AttentionMetadata", "get_kernels"]

@@ -43,15 +43,16 @@ def tiny_ckpt_small_vocab(tmp_path_factory):
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_ckpt_small_vocab"), vocab_size=512)
 
 
-# The Session-level parity and collision tests run once per CPU kernel set, whatever kernels="auto"
-# would pick on this host: modules whose names start with one of these.
+# The Session-level parity and collision tests run once per kernel set that runs on the CPU (the
+# cuda set is pure torch and runs here too), whatever kernels="auto" would pick on this host:
+# modules whose names start with one of these.
 BOTH_KERNEL_SETS = ("test_hf_parity", "test_session_hf_greedy", "test_collisions_")
 
 
 def pytest_generate_tests(metafunc):
     module = metafunc.module.__name__.rpartition(".")[2]
     if "kernel_set" in metafunc.fixturenames and module.startswith(BOTH_KERNEL_SETS):
-        metafunc.parametrize("kernel_set", ["reference", "cpu"], indirect=True)
+        metafunc.parametrize("kernel_set", ["reference", "cpu", "cuda"], indirect=True)
 
 
 @pytest.fixture(autouse=True)

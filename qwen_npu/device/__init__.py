@@ -5,12 +5,14 @@ every failure to load it into a reason in words; ``resolve_device("npu")`` raise
 ``DeviceError``, and ``resolve_device("auto")`` quietly moves on to cuda or cpu.
 
     spec        -> device            kernels "auto" -> set
-    "auto"      -> npu:0 | cuda:0 | cpu               npu device -> "npu"
-    "npu[:N]"   -> npu:N or DeviceError (with reason) cpu device -> "cpu" where it can be built
-    "cuda[:N]"  -> cuda:N or DeviceError                            (AVX2 + a C++ compiler) and
-    "cpu"       -> cpu                                              the CPU lacks native bf16
-                                                  other      -> "reference"
-                                                  "reference" is allowed everywhere
+    "auto"      -> npu:0 | cuda:0 | cpu               npu device  -> "npu"
+    "npu[:N]"   -> npu:N or DeviceError (with reason) cuda device -> "cuda"
+    "cuda[:N]"  -> cuda:N or DeviceError              cpu device  -> "cpu" where it can be built
+    "cpu"       -> cpu                                              (AVX2 + a C++ compiler) and
+                                                                    the CPU lacks native bf16
+                                                  other       -> "reference"
+                                                  "reference" and "cuda" (pure torch) are
+                                                  allowed everywhere
                                                   ("npu"/"cpu" kernels need that device)
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch  # isort: skip
 
 from ..errors import DeviceError, warn
 
-KERNEL_CHOICES = ("auto", "reference", "npu", "cpu")
+KERNEL_CHOICES = ("auto", "reference", "npu", "cpu", "cuda")
 
 
 def _split(spec: str) -> tuple[str, int | None]:
@@ -75,14 +77,15 @@ def default_block_size(device: torch.device | str) -> int:
 
 
 def resolve_kernels(name: str, device: torch.device | str) -> str:
-    """The kernel set for ``name`` on ``device``: "auto" -> "npu" on an npu device; on a cpu device
-    "cpu" or "reference" by what the CPU can do (``kernels/cpu_choice.py``); else "reference".
-    "reference" runs anywhere (on an NPU too, to bisect a kernel bug). Compiles nothing."""
+    """The kernel set for ``name`` on ``device``: "auto" -> "npu" on an npu device, "cuda" on a cuda
+    device; on a cpu device "cpu" or "reference" by what the CPU can do (``kernels/cpu_choice.py``);
+    else "reference". "reference" runs anywhere (on an NPU too, to bisect a kernel bug), and so
+    does "cuda" (pure torch; its tests run on the CPU). Compiles nothing."""
     kind = device_type(device)
     if name == "auto":
         if kind == "cpu":
             return cpu_kernels_choice()[0]
-        return "npu" if kind == "npu" else "reference"
+        return {"npu": "npu", "cuda": "cuda"}.get(kind, "reference")
     if name == "cpu":
         ok, reason = _cpu_kernels_status()
         if kind != "cpu" or not ok:
@@ -90,8 +93,8 @@ def resolve_kernels(name: str, device: torch.device | str) -> str:
             raise DeviceError(f"kernels='cpu' needs a cpu device with AVX2 and a C++ compiler, but {why}; "
                               f"use kernels='reference' (or 'auto')")
         return "cpu"
-    if name == "reference":
-        return "reference"
+    if name in ("reference", "cuda"):
+        return name
     if name == "npu":
         if kind != npu_kernels_device_type():
             raise DeviceError(f"kernels='npu' needs an npu device, but the device is {str(device)!r}; "
@@ -106,6 +109,8 @@ def prepare_kernels(name: str, device: torch.device | str) -> str:
     (no compiler, a failed build), it warns with the reason and runs the reference set;
     an explicit ``kernels="cpu"`` that cannot build is a ``DeviceError``."""
     chosen = resolve_kernels(name, device)
+    if chosen == "cuda":                        # pure torch: nothing to build, any device
+        return chosen
     if device_type(device) != "cpu" or chosen == "npu":
         return chosen
     from ..kernels import build, cpu, cpu_choice  # lazy: the cpu set is imported only for a cpu device

@@ -24,7 +24,7 @@ from ..errors import InvalidRequestError, UnknownOptionError
 WHERE = "Session.from_pretrained"
 SLOT_CHECKS = ("raise", "warn", "off")
 DECODE_PADDINGS = ("runtime", "replicate")
-KERNEL_SETS = ("auto", "reference", "npu", "cpu")
+KERNEL_SETS = ("auto", "reference", "npu", "cpu", "cuda")
 
 
 def _option(default, doc: str):
@@ -51,7 +51,7 @@ class SessionOptions:
     slot_check: str = _option("raise", '"raise" | "warn" | "off": the slot checks run before every dispatch')
     decode_padding: str = _option("runtime", '"runtime" (dispatch only active rows) | "replicate" '
                                              '(inactive rows copy row 0; all max_batch rows dispatched)')
-    kernels: str = _option("auto", '"auto" | "reference" | "npu" | "cpu" (see docs/api.md)')
+    kernels: str = _option("auto", '"auto" | "reference" | "npu" | "cpu" | "cuda" (see docs/api.md)')
     kv_memory: Any = _option(None, 'KV cache budget: bytes ("2GiB", "512MB", an int) or a fraction in (0, 1] '  # noqa: RUF009
                                    'of the memory free after loading; not with num_blocks')
     deterministic: bool = _option(False, "one forward per token: results independent of batch and chunking")

@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
+from qwen_npu.kernels import cpu
 
 from qwen_npu import SamplingParams, Session
-from qwen_npu.kernels import cpu
 from qwen_npu.testing import make_tiny_qwen3
 
-SETS = ["reference"] + (["cpu"] if cpu.available() else [])
+SETS = ["reference", "cuda"] + (["cpu"] if cpu.available() else [])
 
 
 @pytest.fixture(scope="module")

@@ -78,13 +78,23 @@ CPU_AUTO = "cpu" if cpu_kernels.available() else "reference"
 
 
 @pytest.mark.parametrize("name, device, expected", [
-    ("auto", "cpu", CPU_AUTO), ("auto", "cuda:0", "reference"), ("auto", "npu:0", "npu"),
+    ("auto", "cpu", CPU_AUTO), ("auto", "cuda:0", "cuda"), ("auto", "npu:0", "npu"),
     ("reference", "cpu", "reference"), ("reference", "npu:0", "reference"), ("npu", "npu", "npu"),
+    ("cuda", "cpu", "cuda"), ("cuda", "npu:0", "cuda"), ("cuda", "cuda:1", "cuda"),
 ])
 def test_resolve_kernels(name, device, expected):
     assert dev.resolve_kernels(name, device) == expected
     if device == "cpu":
         assert dev.resolve_kernels(name, torch.device("cpu")) == expected
+
+
+def test_the_cuda_set_needs_no_build_on_a_cpu_device(monkeypatch):
+    from qwen_npu.kernels import cpu as cpu_set
+
+    def refuse():
+        raise AssertionError("the cpu set was built for kernels='cuda'")
+    monkeypatch.setattr(cpu_set, "ensure_built", refuse)
+    assert dev.prepare_kernels("cuda", "cpu") == "cuda"
 
 
 @pytest.mark.parametrize("name, device", [("npu", "cpu"), ("npu", "cuda:0"), ("fast", "cpu"), ("cpu", "cuda:0"),
