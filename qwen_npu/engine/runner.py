@@ -42,6 +42,7 @@ from ..device import synchronize
 from ..errors import StaleOutputError
 from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook, Qwen3Model
+from .pinned import PinnedCopies
 from .plan import StepPlan, buffer_set
 
 
@@ -90,7 +91,7 @@ class DeviceLogits:
         """The rows without the staleness check: for the engine, inside the step that wrote them."""
         return self._private if self._private is not None else self._buffer.tensor[:self._rows]
 
-    def clone(self) -> "DeviceLogits":
+    def clone(self) -> DeviceLogits:
         """A private device copy that later steps cannot overwrite."""
         return DeviceLogits(None, self._rows, self._transfers, self.step_index, private=self.tensor.clone())
 
@@ -140,6 +141,11 @@ class DispatchBuffers:
             self.tensors[pre + "block_tables"] = z(max_batch, max_blocks, dtype=i32)
             self.tensors[pre + "query_start_loc"] = z(max_batch + 1, dtype=i32)
             self.tensors[pre + "logits_index"] = z(max_batch, dtype=i64)
+        # pinned mirrors of each set's buffers (on an accelerator; pinned.py), and the sampler's
+        self.pinned = {kind: PinnedCopies(device, {n: (t.numel(), t.dtype) for n, t in self.tensors.items()
+                                                   if n.startswith("prefill.") == (kind == "prefill")})
+                        for kind in ("decode", "prefill")}
+        self.pinned["sample"] = PinnedCopies(device)
         self._outputs: dict[tuple, OutputBuffer] = {}
         self.current = {"decode": 0, "prefill": 0}   # the pair holding the last committed step's outputs
         for kind in ("decode", "prefill"):
@@ -165,9 +171,11 @@ class DispatchBuffers:
         return 1 - self.current[kind]
 
     def publish(self, kind: str) -> None:
-        """Commit a step of ``kind``: its pair becomes current; older handles of ``kind`` go stale."""
+        """Commit a step of ``kind``: its pair (and its pinned set) becomes current; older handles
+        of ``kind`` go stale."""
         pair = 1 - self.current[kind]
         self.current[kind] = pair
+        self.pinned[kind].publish()
         for key, buf in self._outputs.items():
             if key[0] == kind:
                 buf.generation += 1
@@ -177,14 +185,16 @@ class DispatchBuffers:
         return {k: b.generation for k, b in self._outputs.items()}
 
     def fill(self, name: str, host: torch.Tensor) -> int:
-        """Copy ``host`` into the leading rows of buffer ``name``; returns the bytes moved h2d."""
+        """Copy ``host`` into the leading rows of buffer ``name`` (through its pinned buffer
+        on an accelerator, without blocking); returns the bytes moved h2d."""
         buf = self.tensors[name]
+        pinned = self.pinned["prefill" if name.startswith("prefill.") else "decode"]
         if host.dim() == 2:
-            buf[:host.shape[0], :host.shape[1]].copy_(host)
+            pinned.copy_into(buf[:host.shape[0], :host.shape[1]], host, name)
             if host.shape[1] < buf.shape[1]:
                 buf[:host.shape[0], host.shape[1]:].fill_(-1)
         else:
-            buf[:host.shape[0]].copy_(host)
+            pinned.copy_into(buf[:host.shape[0]], host, name)
         return host.nbytes
 
     def view(self, name: str, n: int) -> torch.Tensor:
@@ -234,6 +244,8 @@ class ModelRunner:
         qsl = [0]
         for n in plan.query_lens:
             qsl.append(qsl[-1] + n)
+        pinned = b.pinned[buffer_set(plan.kind)]
+        pinned.begin()
         h2d = b.fill(pre + "input_ids", torch.tensor(plan.input_ids, dtype=torch.int64))
         h2d += b.fill(pre + "positions", torch.tensor(plan.positions, dtype=torch.int64))
         h2d += b.fill(pre + "slot_mapping", torch.tensor(plan.slot_mapping, dtype=torch.int64))
@@ -241,6 +253,7 @@ class ModelRunner:
         h2d += b.fill(pre + "block_tables", tables)
         h2d += b.fill(pre + "query_start_loc", torch.tensor(qsl, dtype=torch.int32))
         h2d += b.fill(pre + "logits_index", torch.tensor(plan.logits_index, dtype=torch.int64))
+        pinned.end()
         transfers["h2d"] += h2d
         return AttentionMetadata(
             positions=b.view(pre + "positions", tokens),

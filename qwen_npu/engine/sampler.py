@@ -1,12 +1,16 @@
 """On-device sampling: greedy, temperature, top-k and top-p, seeded per request.
 
 Nothing here synchronises with the host: per-row parameters travel host-to-device as small
-tensors, the noise comes from each request's own ``torch.Generator`` on the device, and the
+tensors (through pinned host buffers on an accelerator, ``pinned.py``), and the
 result stays on the device until the session copies the token ids at its named boundary.
 
 Sampling uses the exponential-race trick: ``argmax(p / q)`` with ``q ~ Exp(1)`` picks index i
-with probability ``p_i``, so no cumulative search (and no sync) is needed. Because each request
-draws its noise from its own generator, its samples do not depend on the rest of the batch.
+with probability ``p_i``, so no cumulative search (and no sync) is needed. The noise of every row
+is made in one batch of device ops, whatever the number of rows: each sampled row draws one
+64-bit key from its request's own generator (a host ``torch.Generator``, so the draw launches
+nothing on the device), and ``exponential_noise`` hashes (key, token id) into Exp(1) noise.
+Because each request's key comes from its own generator, its samples do not depend on the rest
+of the batch, and a copied generator (a fork) continues the same stream.
 """
 from __future__ import annotations
 
@@ -14,9 +18,14 @@ import torch
 
 from .request import SamplingParams
 
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B                      # a 32-bit multiplicative hash constant; products stay < 2**63
+
 
 def new_generator(device: torch.device, seed: int) -> torch.Generator:
-    g = torch.Generator(device=device)
+    """The generator of a sampled request. It lives on the host whatever ``device`` is: it only
+    draws the row's key per sampled token (the noise is made on ``device`` from the key)."""
+    g = torch.Generator()
     g.manual_seed(seed)
     return g
 
@@ -29,37 +38,54 @@ def copy_generator(g: torch.Generator) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           greedy_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+           greedy_ids: torch.Tensor | None = None, pinned=None) -> tuple[torch.Tensor, int]:
     """Pick one token per row of ``logits`` [rows, vocab] -> (token ids [rows] int64 on device, h2d bytes).
 
     ``generators[r]`` must be set for every non-greedy row. ``greedy_ids``: ``logits.argmax(-1)``
-    when the caller already has it (a kernel set's fused ``greedy_health``).
+    when the caller already has it (a kernel set's fused ``greedy_health``). ``pinned``: the
+    step's ``PinnedCopies`` for the per-row parameters (a plain ``.to(device)`` without one).
     """
     if greedy_ids is None:
         greedy_ids = logits.argmax(dim=-1)                              # [rows]
     greedy = [p.temperature == 0.0 for p in params]                       # temperature 0: argmax
     if all(greedy):
         return greedy_ids, 0
-    device = logits.device
-    rows, vocab = logits.shape
-    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
-    is_greedy = torch.tensor(greedy)
-    h2d = temps.nbytes + is_greedy.nbytes
-    x = logits.float() / temps.to(device)[:, None]                       # [rows, vocab]
+    put = pinned.put if pinned is not None else (lambda t, name: t.to(logits.device))
+    vocab = logits.shape[1]
+    keys = torch.cat([torch.zeros(1, dtype=torch.int64) if g else torch.randint(2 ** 62, (1,), generator=gen)
+                      for g, gen in zip(greedy, generators)])            # one host draw per sampled row
+    per_row = torch.tensor([[1.0 if g else p.temperature, p.top_p if p.top_p < 1.0 else float("inf")]
+                            for p, g in zip(params, greedy)], dtype=torch.float32)     # [rows, 2]
+    ints = torch.stack((torch.tensor(greedy, dtype=torch.int64),
+                        torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]), keys), 1)  # [rows, 3]
+    h2d = per_row.nbytes + ints.nbytes
+    per_row, ints = put(per_row, "sample.floats"), put(ints, "sample.ints")
+    x = logits.float() / per_row[:, :1]                                  # [rows, vocab]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.int64)
-        ps = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dtype=torch.float32)
-        h2d += ks.nbytes + ps.nbytes
-        x = _mask_top_k_top_p(x, ks.to(device), ps.to(device))
+        x = _mask_top_k_top_p(x, ints[:, 1], per_row[:, 1])
     probs = torch.softmax(x, dim=-1)
-    noise = torch.empty_like(probs)
-    for r, (row_greedy, gen) in enumerate(zip(greedy, generators)):
-        if row_greedy:
-            noise[r].fill_(1.0)
-        else:
-            noise[r].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(is_greedy.to(device), greedy_ids, sampled), h2d
+    sampled = (probs / exponential_noise(ints[:, 2], vocab)).argmax(dim=-1)
+    return torch.where(ints[:, 0] != 0, greedy_ids, sampled), h2d
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] float32, a pure function of each row's int64 key and the token id.
+
+    Two rounds of a 32-bit integer hash (in int64, masked, so no product overflows) mix the token
+    id with the key's low and then high half; the top 24 bits give a uniform u in (0, 1) (never 0
+    or 1, so the noise is finite and positive) and the noise is ``-log(u)``.
+    """
+    lo, hi = keys & _M32, (keys >> 32) & _M32                          # [rows]
+    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    h = _mix(_mix(ids[None, :] ^ lo[:, None]) ^ hi[:, None])            # [rows, vocab] in [0, 2**32)
+    u = ((h >> 8).float() + 0.5) * (2.0 ** -24)
+    return -torch.log(u)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    return (x >> 16) ^ x
 
 
 def _mask_top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
@@ -115,10 +141,10 @@ def health_codes(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(nonfinite, 1, code).to(torch.int64)
 
 
-def mask_early_stops(logits: torch.Tensor, reqs) -> tuple[torch.Tensor, int]:
+def mask_early_stops(logits: torch.Tensor, reqs, pinned=None) -> tuple[torch.Tensor, int]:
     """``logits`` [rows, vocab] with every row still under its ``min_new_tokens`` unable to pick
     a stop token id (set to -inf in a device copy); returns (logits, h2d bytes). The input is
-    returned unchanged (no copy) when no row needs it."""
+    returned unchanged (no copy) when no row needs it. ``pinned``: as for ``sample``."""
     rows, cols = [], []
     for r, req in enumerate(reqs):
         if len(req.output_token_ids) < req.sampling.min_new_tokens:
@@ -128,7 +154,7 @@ def mask_early_stops(logits: torch.Tensor, reqs) -> tuple[torch.Tensor, int]:
     if not rows:
         return logits, 0
     index = torch.tensor([rows, cols], dtype=torch.int64)               # [2, masked entries]
-    dev = index.to(logits.device)
+    dev = pinned.put(index, "sample.stops") if pinned is not None else index.to(logits.device)
     out = logits.clone()
     out[dev[0], dev[1]] = float("-inf")
     return out, index.nbytes

@@ -86,6 +86,7 @@ def commit(engine, c: Commit, *, undo: bool = False) -> None:
         step.transfers["h2d"] += s.h2d
         step.transfers["d2h"] += s.d2h
         step.timings["sample"] = s.seconds
+        engine.buffers.pinned["sample"].publish()
     sess = c.session
     if c.requests:
         sess._requests.update(c.requests)
@@ -125,7 +126,10 @@ def run_step(sess, schedule, action: str, *, sample: bool, force: dict | None = 
     problems = check(engine, plan, sess._visible_requests(), draft, timings)         # 3 check
     fault_point("validated")
     step_hook = hooks.begin_step(plan) if hooks is not None else None
-    guard = KVGuard(engine.kv_cache, engine.manager.committed_blocks(written_blocks(plan, cfg.block_size)))
+    pinned = engine.buffers.pinned[buffer_set(plan.kind)]
+    pinned.begin()                               # the guard's block index goes through it too
+    guard = KVGuard(engine.kv_cache, engine.manager.committed_blocks(written_blocks(plan, cfg.block_size)),
+                    put=lambda index: pinned.put(index, "guard"))
     engine.calls.stepping = plan.index
     try:
         with torch.no_grad(), held_interrupts().interruptible():       # entered in this order, left whole
@@ -137,7 +141,8 @@ def run_step(sess, schedule, action: str, *, sample: bool, force: dict | None = 
         timings["bookkeeping"] = time.perf_counter() - t1
         sampled = None
         if sample and step.logits is not None:
-            sampled = sample_rows(step, draft, sess._generators, force, engine.model.kernels)  # 6 sample
+            sampled = sample_rows(step, draft, sess._generators, force, engine.model.kernels,   # 6 sample
+                                  engine.buffers.pinned["sample"])
         fault_point("commit")
         c = Commit(draft=draft, ledger=writes, outputs=buffer_set(plan.kind), step=step, sampled=sampled,
                    session=sess, hooks_step=plan.index)
@@ -155,7 +160,8 @@ def sample_step(sess, step: StepResult, force: dict | None = None) -> torch.Tens
     """Sample the last step (6-8 of ``run_step``); returns the token ids on the device."""
     engine = sess._engine
     draft = StepDraft(engine.manager, sess._requests)
-    sampled = sample_rows(step, draft, sess._generators, force, engine.model.kernels)
+    sampled = sample_rows(step, draft, sess._generators, force, engine.model.kernels,
+                          engine.buffers.pinned["sample"])
     c = Commit(draft=draft, step=step, sampled=sampled, session=sess)
     commit(engine, c)
     after(engine, c)
@@ -225,28 +231,33 @@ def result(engine, plan, draft, logits_buf, hidden_buf, problems, timings, trans
                       row_preemptions=[r.request.num_preemptions for r in plan.rows[:plan.num_active]])
 
 
-def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dict | None, kernels) -> Sampled:
+def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dict | None, kernels,
+                pinned) -> Sampled:
     """Sample every logits row of ``step`` on the device and stage the tokens on ``draft``.
 
     The one host sync: a single int64 per row, the token id with the row's health code in its
     upper 32 bits (``2 + k`` int64 when a row records log-probabilities, see ``logprobs.py``).
-    Random generators advance on copies that the commit puts in place."""
+    Random generators advance on copies that the commit puts in place. ``pinned``: the
+    sampler's ``PinnedCopies`` (its spare set; the commit publishes it)."""
     t0 = time.perf_counter()
     reqs = [draft.of(r) for r in (draft.requests[i] for i in step.logits_request_ids)]
     logits = step.logits.view_unchecked()                                           # [rows, vocab]
-    allowed, h2d_mask = sampler.mask_early_stops(logits, reqs)
+    pinned.begin()
+    allowed, h2d_mask = sampler.mask_early_stops(logits, reqs, pinned)
     greedy_ids = codes = None
     fused = getattr(kernels, "greedy_health", None)      # a kernel set's argmax and health in one read
     if fused is not None and allowed is logits:
         greedy_ids, codes = fused(logits) or (None, None)
     gens = [draft.generator(r.id, generators) for r in reqs]
-    ids, h2d = sampler.sample(allowed, [r.sampling for r in reqs], gens, greedy_ids)
+    ids, h2d = sampler.sample(allowed, [r.sampling for r in reqs], gens, greedy_ids, pinned)
     fault_point("sampled")
     h2d += h2d_mask
     if force:
         forced = torch.tensor([force.get(r.id, -1) for r in reqs], dtype=torch.int64)
         h2d += forced.nbytes
-        ids = torch.where(forced.to(ids.device) >= 0, forced.to(ids.device), ids)
+        forced = pinned.put(forced, "sample.forced")
+        ids = torch.where(forced >= 0, forced, ids)
+    pinned.end()
     packed, unpack = sampler.pack(ids, logits, [r.sampling.logprobs for r in reqs], codes)
     host = packed.cpu()
     fault_point("d2h")

@@ -212,12 +212,15 @@ class KVGuard:
     their owners, so their K/V must be as it was; ``restore`` copies it back.
     """
 
-    def __init__(self, kv_cache, blocks: Sequence[int]):
+    def __init__(self, kv_cache, blocks: Sequence[int], put: Callable | None = None):
+        """``put(host tensor) -> device tensor``: how the block index reaches the device (the step's
+        pinned buffers, ``pinned.py``; a plain ``.to`` without it)."""
         self.kv_cache = kv_cache
         self.blocks = list(blocks)
         self.saved = None
         if self.blocks:
-            index = torch.tensor(self.blocks, dtype=torch.int64, device=kv_cache.keys[0].device)
+            index = torch.tensor(self.blocks, dtype=torch.int64)
+            index = put(index) if put is not None else index.to(kv_cache.keys[0].device)
             self.index = index
             self.saved = [t.index_select(0, index) for t in kv_cache.keys + kv_cache.values]
 

@@ -1,0 +1,104 @@
+"""Pinned host buffers that a step's host-to-device copies go through, on an accelerator.
+
+A copy from ordinary (pageable) host memory to a CUDA or NPU device blocks the host until the
+driver has copied it out; from page-locked ("pinned") memory it is queued like a kernel
+(``non_blocking=True``) and the host goes on planning the next step. So on a device that is not
+the CPU every step copy is written into a pinned buffer allocated once, then copied without
+blocking. On the CPU there is nothing to copy: the data is used where it is (no pinning cost).
+
+Two sets of buffers are used in turn, like the output buffers of ``runner.py``: a step writes
+the spare set, and its commit publishes it (``publish``, called from ``step.commit`` through
+``DispatchBuffers.publish``). A step that fails or is interrupted half way has then written only
+the spare set; the set of the last committed step stays as it was. Before a step writes a set it
+waits for that set's last copies to have left it (an event recorded after them), so a queued
+copy never reads a buffer the host is rewriting::
+
+    step 7 (set 0) fill -> copies queued -> event 0 -> commit: set 0 current
+    step 8 (set 1) fill -> ...                      -> commit: set 1 current
+    step 9 (set 0) waits for event 0 (long done), fill -> ...
+
+``pins(device)`` and ``pinned_empty`` are the one place that decides and allocates; the copy
+tests replace them to run a CPU Session as if its device were an accelerator.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def pins(device: torch.device) -> bool:
+    """Do host-to-device copies to ``device`` go through pinned buffers? (Not on the CPU.)"""
+    return device.type != "cpu"
+
+
+def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host buffer of ``numel`` elements."""
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
+def _event(device: torch.device):
+    if device.type == "cpu":
+        return None
+    try:
+        return torch.Event(device=device)
+    except (RuntimeError, ValueError, TypeError):      # a backend without generic events
+        return None
+
+
+class PinnedCopies:
+    """The pinned buffers of one kind of copy (a step kind's dispatch data, or the sampler's)."""
+
+    def __init__(self, device: torch.device, sizes: dict[str, tuple[int, torch.dtype]] | None = None):
+        self.device = device
+        self.enabled = pins(device)
+        self.current = 0                       # the set the last committed step wrote
+        self._sets: list[dict[str, torch.Tensor]] = [{}, {}]
+        self._events = [None, None]
+        if self.enabled:
+            for name, (numel, dtype) in (sizes or {}).items():
+                for s in self._sets:
+                    s[name] = pinned_empty(numel, dtype)
+
+    @property
+    def spare(self) -> int:
+        return 1 - self.current
+
+    def begin(self) -> None:
+        """Before a step writes the spare set: wait until its previous copies have left it."""
+        event = self._events[self.spare]
+        if event is not None:
+            event.synchronize()
+
+    def end(self) -> None:
+        """After a step queued its copies from the spare set."""
+        if self.enabled:
+            event = self._events[self.spare] = self._events[self.spare] or _event(self.device)
+            if event is not None:
+                event.record()
+
+    def publish(self) -> None:
+        """The commit of the step that wrote the spare set: it becomes current."""
+        self.current = self.spare
+
+    def _buffer(self, name: str, host: torch.Tensor) -> torch.Tensor:
+        """``host``'s data in the spare set's pinned buffer ``name`` (grown if too small)."""
+        spare = self._sets[self.spare]
+        buf = spare.get(name)
+        if buf is None or buf.numel() < host.numel() or buf.dtype != host.dtype:
+            buf = spare[name] = pinned_empty(max(host.numel(), 2 * (0 if buf is None else buf.numel())),
+                                             host.dtype)
+        view = buf[:host.numel()].view(host.shape)
+        view.copy_(host)
+        return view
+
+    def copy_into(self, dst: torch.Tensor, host: torch.Tensor, name: str) -> None:
+        """``dst.copy_(host)``: through the spare pinned buffer ``name`` without blocking."""
+        if not self.enabled:
+            dst.copy_(host)
+            return
+        dst.copy_(self._buffer(name, host), non_blocking=True)
+
+    def put(self, host: torch.Tensor, name: str) -> torch.Tensor:
+        """``host`` on the device (``host`` itself on the CPU)."""
+        if not self.enabled:
+            return host
+        return self._buffer(name, host).to(self.device, non_blocking=True)
