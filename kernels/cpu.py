@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from . import build, cpu_features, onednn, reference
 from .metadata import AttentionMetadata
 from .onednn import prepare_weight  # noqa: F401  (the model's load)
-from .onednn import prepares as prepares_weights
+from .onednn import prepares as prepares_weights  # noqa: F401
 
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
