@@ -168,6 +168,42 @@ def test_bf16_prefill_rows_through_sdpa_match_dense(monkeypatch, amx, block_size
         assert torch.equal(poisoned[start:start + SDPA_ROWS_CASE[row][1]], out[start:start + SDPA_ROWS_CASE[row][1]])
 
 
+BF16_TILE_ROWS = [(0, 70), (61, 9), (5, 33), (0, 1), (200, 17)]
+
+
+@pytest.mark.skipif(not (cpu.available() and cpu.bf16_dot()), reason="the CPU has no AVX512-BF16 dot products")
+@pytest.mark.parametrize("gqa, head_dim", [(2, 128), (1, 32), (5, 64), (3, 256), (4, 96)])
+def test_prefill_tiles_with_bf16_dot_products_match_dense_and_read_only_their_row(gqa, head_dim):
+    """bf16 prefill tiles on AVX512-BF16 (csrc/attention_bf16.cpp; head_dim a multiple of 32 up to
+    256, else the fp32 tile): within the bf16 tolerance of dense attention, as the fp32 tile is;
+    another row's blocks never reach a row; a NaN key reaches exactly the tokens that see it."""
+    meta, query, kc, vc, dense, tables = build_case(BF16_TILE_ROWS, 16, 2, gqa, head_dim, torch.bfloat16, seed=4)
+    scale = head_dim ** -0.5
+
+    def attend(k, v, bf16_dot):
+        return cpu.ops().paged_attention(query, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                         scale, bf16_dot)
+    fast, slow = attend(kc, vc, True), attend(kc, vc, False)
+    want = naive_attention(query, BF16_TILE_ROWS, dense, gqa, scale)
+    torch.testing.assert_close(fast.double(), want, **TOL[torch.bfloat16])
+    torch.testing.assert_close(slow.double(), want, **TOL[torch.bfloat16])
+    assert torch.equal(fast, slow) == (head_dim % 32 != 0)      # the bf16 tile ran exactly where it can
+    starts = [0, *itertools.accumulate(q for _, q in BF16_TILE_ROWS)]
+    for row, table in enumerate(tables):
+        kp, vp = kc.clone(), vc.clone()
+        others = [b for b in range(kc.shape[0]) if b not in table]
+        kp[others], vp[others] = float("nan"), float("inf")
+        assert torch.equal(attend(kp, vp, True)[starts[row]:starts[row + 1]], fast[starts[row]:starts[row + 1]])
+    n = BF16_TILE_ROWS[0][1]                                     # row 0: tokens 0..69 of a fresh prompt
+    kp = kc.clone()
+    block, offset = divmod(40, 16)
+    kp[int(tables[0][block]), offset, 0] = float("nan")          # position 40's key, KV head 0
+    out = attend(kp, vc, True)[:n].float()
+    heads = slice(0, gqa)                                        # the query heads of KV head 0
+    assert out[40:, heads].isnan().all() and not out[:40, heads].isnan().any()
+    assert not out[:, gqa:].isnan().any()
+
+
 @pytest.mark.parametrize("poison", [float("nan"), 1e30, float("inf")])
 @pytest.mark.parametrize("is_decode", [True, False])
 def test_a_row_never_reads_another_rows_blocks(poison, is_decode):
