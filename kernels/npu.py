@@ -1,5 +1,6 @@
-"""Ascend NPU kernels: the reference contract (README.md) on torch_npu's fused ops, called the
-way vllm-ascend calls them on A2/A3 (docs/npu.md has the reference and the wheel's words).
+"""Ascend NPU kernels: the reference contract (README.md) on torch_npu's fused ops, the KV write,
+attention and norms called the way vllm-ascend calls them on A2/A3 (rope is not: vllm-ascend
+calls npu_apply_rotary_pos_emb only on 310P; docs/npu.md has the reference and the wheel's words).
 
 torch_npu is loaded through ``qwen_npu.device.npu_runtime.load_torch_npu`` at the first call that
 needs it, never at import, so ``import qwen_npu.kernels.npu`` works on any machine. Each function
@@ -13,12 +14,13 @@ RuntimeWarning ONCE per (function, reason).
                        (ND cache; the op skips slot -1)
     paged_attention  npu_fused_infer_attention_score (FIA), TND,    dtype not fp16/bf16,
                        sparse_mode=3, 2048x2048 causal mask:        head_dim % 16, > 64 query
-                       all-fresh batch: unpaged (K/V of the step)   heads per kv head,
+                       all-fresh batch: unpaged (K/V by position)   heads per kv head,
                        otherwise paged, decode included             paged: block_size not 128..512
                                                                     in 128s, kv_heads * D > 65535,
                                                                     a row with no token
                      decode where FIA cannot: _npu_paged_attention  (ATB: block_size % 16,
-                       (ATB, when the stack has NNAL)                 block_size * D > 128 * 128)
+                       (ATB, when the stack has NNAL; all-fresh       block_size * D > 128 * 128)
+                       one-token rows included)
     rms_norm         npu_rms_norm                                   weight dtype != x dtype, x not 2-8-D
     add_rms_norm     npu_add_rms_norm                               (same)
     rope             npu_apply_rotary_pos_emb, BSND, "half"         head_dim not 64 or 128
@@ -103,8 +105,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Reference contract. A batch of only fresh prompts (nothing cached before) runs FIA
-    unpaged on the step's own K/V; every other batch, pure decode included, runs FIA over the
-    paged cache; a decode FIA cannot take runs ATB paged attention where the stack has it."""
+    unpaged on the step's own K/V (each position read through the block table, as the
+    reference reads it); every other batch, pure decode included, runs FIA over the paged
+    cache; a decode FIA cannot take (all-fresh or not) runs ATB paged attention where the stack
+    has it."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     reason = _unsupported((query, key_cache, value_cache), HALF_DTYPES)
     if reason is None and head_dim % 16:
@@ -116,20 +120,20 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return reference.paged_attention(query, key_cache, value_cache, meta, scale)
     if query.shape[0] == 0:
         return torch.empty_like(query)                  # no empty tensor to the op
-    inputs = step_inputs(meta, block_size)
+    inputs = step_inputs(meta, block_size, query.device)
     if inputs.all_fresh:
         reason = _missing(FIA)
         if reason is None:
-            return _fia_unpaged(query, key_cache, value_cache, meta, inputs, scale)
+            return _fia_unpaged(query, key_cache, value_cache, inputs, scale)
     else:
         reason = _missing(FIA) or _paged_unsupported(meta, block_size, num_kv_heads, head_dim)
         if reason is None:
             return _fia_paged(query, key_cache, value_cache, inputs, scale)
-        if meta.is_decode:
-            atb = _missing(ATB_DECODE) or _atb_unsupported(block_size, head_dim)
-            if atb is None:
-                return _atb_decode(query, key_cache, value_cache, inputs, scale)
-            reason = f"{reason}, and {ATB_DECODE} cannot either: {atb}"
+    if meta.is_decode:                                  # all-fresh one-token rows included
+        atb = _missing(ATB_DECODE) or _atb_unsupported(block_size, head_dim)
+        if atb is None:
+            return _atb_decode(query, key_cache, value_cache, inputs, scale)
+        reason = f"{reason}, and {ATB_DECODE} cannot either: {atb}"
     warn_fallback("paged_attention", reason)
     return reference.paged_attention(query, key_cache, value_cache, meta, scale)
 
@@ -167,12 +171,12 @@ def _fia_paged(query, key_cache, value_cache, inputs, scale):
     return out                                                     # [tokens, heads, head_dim]
 
 
-def _fia_unpaged(query, key_cache, value_cache, meta, inputs, scale):
-    """Every row is a whole fresh prompt: its context is the step's own tokens, whose K/V were
-    just written at ``slot_mapping``; read them back in token order (TND, kv lengths = query
-    lengths, both cumulative in the unpaged form)."""
+def _fia_unpaged(query, key_cache, value_cache, inputs, scale):
+    """Every row is a whole fresh prompt: its context is the step's own positions, read through
+    the block table in token order (``inputs.fresh_slots``, built once per step), as the
+    reference reads them; TND, kv lengths = query lengths, both cumulative in the unpaged form."""
     _, _, num_kv_heads, head_dim = key_cache.shape
-    slots = meta.slot_mapping.clamp(min=0)          # a skipped token has no K/V in either form
+    slots = inputs.fresh_slots
     key = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)      # [tokens, kv, D]
     value = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
     out, _ = load_torch_npu().npu_fused_infer_attention_score(

@@ -112,17 +112,36 @@ def _npu_devices() -> str:
         return f"{npu.device_count()} visible (names unavailable: {e})"
 
 
-def npu_attention_choice(support: dict[str, str | None]) -> str:
-    """Which attention ops the npu kernel set takes on this stack (``npu_runtime.op_support``):
-    FIA for every batch where torch_npu has it, ATB paged attention for the decode steps FIA
-    cannot take where NNAL is installed."""
+def npu_attention_choice(support: dict[str, str | None], block_size: int | None = None) -> str:
+    """Which attention op the npu kernel set takes for each kind of step on this stack
+    (``npu_runtime.op_support``) at ``block_size`` (default: the npu default, 128), as
+    ``kernels/npu.py`` decides, and the limits that send a call to the reference kernel."""
     if not support:
         return "- (torch_npu not loaded)"
-    fia, atb = support.get("npu_fused_infer_attention_score"), support.get("_npu_paged_attention")
-    parts = ["npu_fused_infer_attention_score for every step" if fia is None else f"no FIA: {fia}"]
-    parts.append("_npu_paged_attention for decode FIA cannot take" if atb is None else f"no ATB decode: {atb}")
-    missing = [op for op, why in support.items() if why is not None and op not in
-               ("npu_fused_infer_attention_score", "_npu_paged_attention")]
+    from ..kernels import npu as npu_k
+    fia_name, atb_name = npu_k.FIA, npu_k.ATB_DECODE
+    bs = devices.default_block_size("npu") if block_size is None else block_size
+    fia, atb = support.get(fia_name, "not probed"), support.get(atb_name, "not probed")
+    paged = fia is None and bs in npu_k.PAGED_BLOCK_SIZES
+    atb_ok = atb is None and bs % 16 == 0
+    atb_text = f"{atb_name} (ATB; block_size * head_dim <= {128 * 128}, head_dim <= 256)"
+    fresh = f"{fia_name} (unpaged)" if fia is None else "the reference"
+    chunks = f"{fia_name} (paged)" if paged else "the reference"
+    decode = [f"{fia_name} (paged)"] if paged else []
+    decode += [atb_text] if atb_ok else ([] if decode else ["the reference"])
+    parts = [f"block size {bs}: all-fresh prefill: {fresh}", f"prefill chunks and mixed steps: {chunks}",
+             "decode: " + ", where that cannot: ".join(decode)]
+    if fia is None:
+        parts.append("FIA needs fp16/bf16, head_dim % 16 == 0, at most 64 query heads per kv head"
+                     + (f", paged: kv_heads * head_dim <= {npu_k.MAX_KV_HIDDEN}" if paged else
+                        ", paged: a block size of 128..512 in steps of 128"))
+    else:
+        parts.append(f"no FIA: {fia}")
+    if atb is not None:
+        parts.append(f"no ATB decode: {atb}")
+    elif not atb_ok:
+        parts.append(f"no ATB decode at block size {bs} (not a multiple of 16)")
+    missing = [op for op, why in support.items() if why is not None and op not in (fia_name, atb_name)]
     if missing:
         parts.append("missing, run by the reference kernels: " + ", ".join(missing))
     return "; ".join(parts)

@@ -8,20 +8,30 @@ cannot pass as conformance.
 What only a card settles (docs/npu.md, "What still needs a card"): the prefill cases cover a
 first chunk whose query length equals its context (row (0, 37)) and chunks that start
 mid-context, so they settle the causal-mask alignment and polarity under sparse_mode=3 and TND
-with a paged cache (the all-fresh prefill case runs FIA unpaged); decode runs FIA over the
-paged cache with block tables padded with block 0; write_kv covers
-skipped slots; the norm tests bound the rounding.
+with a paged cache; the all-fresh cases (one with a token of slot -1) run FIA unpaged; decode
+runs FIA over the paged cache with block tables padded with block 0, and ATB paged attention
+with FIA hidden (where the stack has NNAL); write_kv covers skipped slots; the norm tests bound
+the rounding. The Session runs of the CPU stand-in tests (``tests/npu_wheel/session_kit.py``:
+all-fresh prefill, chunks, prefix cache, pure decode, mixed steps) run here against a CPU
+reference Session.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from qwen_npu.kernels import AttentionMetadata
 from qwen_npu.kernels import npu as npu_k
 from qwen_npu.kernels import reference as ref
+
+from qwen_npu.device.npu_runtime import installed_op_support
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "npu_wheel"))
+import session_kit  # the runs the CPU stand-in tests compare
 
 pytestmark = pytest.mark.device
 
@@ -42,9 +52,10 @@ def fused_only():
     assert not fallbacks, fallbacks
 
 
-def build_case(rows, kv_heads, gqa, dtype, device, seed=0, block_size=BLOCK, head_dim=HEAD_DIM):
+def build_case(rows, kv_heads, gqa, dtype, device, seed=0, block_size=BLOCK, head_dim=HEAD_DIM, skipped=()):
     """rows: [(tokens computed before, query_len)]. Distinct random blocks per row, -1 padded
-    tables, NaN in every slot outside a context. Returns (meta, query, key_cache, value_cache)."""
+    tables, NaN in every slot outside a context; the tokens at the indices in ``skipped`` get
+    slot -1 (their position's slot keeps its K/V). Returns (meta, query, key_cache, value_cache)."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-(done + q) // block_size) for done, q in rows]
     num_blocks = sum(need) + 3
@@ -60,6 +71,8 @@ def build_case(rows, kv_heads, gqa, dtype, device, seed=0, block_size=BLOCK, hea
         kc.view(-1, kv_heads, head_dim)[ctx_slots] = torch.randn(done + q, kv_heads, head_dim, generator=gen).to(dtype)
         vc.view(-1, kv_heads, head_dim)[ctx_slots] = torch.randn(done + q, kv_heads, head_dim, generator=gen).to(dtype)
         slots += ctx_slots[done:]
+    for t in skipped:
+        slots[t] = -1
     meta = AttentionMetadata.for_rows(rows, slots, bt, device)
     query = torch.randn(meta.num_tokens, kv_heads * gqa, head_dim, generator=gen).to(dtype)
     return meta, query.to(device), kc.to(device), vc.to(device)
@@ -76,11 +89,13 @@ def reference_attention(query, kc, vc, meta, scale):
 
 DECODE_ROWS = [(0, 1), (126, 1), (127, 1), (255, 1), (300, 1), (40, 1)]    # partial and full last blocks
 PREFILL_ROWS = [(0, 37), (100, 20), (128, 128), (5, 1), (250, 6)]          # fresh, mid-context, exact fill
+FRESH_ROWS = [(0, 37), (0, 128), (0, 5), (0, 200)]                          # all fresh: FIA unpaged
+FIA = "npu_fused_infer_attention_score"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gqa", [1, 2, 5])
-@pytest.mark.parametrize("rows", [DECODE_ROWS, PREFILL_ROWS], ids=["decode", "prefill"])
+@pytest.mark.parametrize("rows", [DECODE_ROWS, PREFILL_ROWS, FRESH_ROWS], ids=["decode", "prefill", "all-fresh"])
 def test_paged_attention(npu, rows, gqa, dtype):
     meta, query, kc, vc = build_case(rows, 2, gqa, dtype, npu)
     scale = HEAD_DIM ** -0.5
@@ -90,7 +105,33 @@ def test_paged_attention(npu, rows, gqa, dtype):
     torch.testing.assert_close(out.cpu().float(), reference_attention(query, kc, vc, meta, scale), **TOL[dtype])
 
 
-@pytest.mark.parametrize("rows", [DECODE_ROWS, PREFILL_ROWS], ids=["decode", "prefill"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_fresh_batch_with_a_skipped_token(npu, dtype):
+    """Token 3 has slot -1: it reads its position's slot through the table, as the reference does
+    (slot 0, which no row owns, holds NaN)."""
+    meta, query, kc, vc = build_case([(0, 37), (0, 5)], 2, 2, dtype, npu, skipped=(3,))
+    with fused_only():
+        out = npu_k.paged_attention(query, kc, vc, meta, HEAD_DIM ** -0.5)
+    assert torch.isfinite(out.cpu()).all()
+    torch.testing.assert_close(out.cpu().float(), reference_attention(query, kc, vc, meta, HEAD_DIM ** -0.5),
+                               **TOL[dtype])
+
+
+@pytest.mark.parametrize("rows", [DECODE_ROWS, [(0, 1), (0, 1), (0, 1)]], ids=["decode", "all-fresh decode"])
+def test_decode_by_atb_paged_attention_where_fia_is_hidden(npu, monkeypatch, rows):
+    """With FIA hidden from the probe, decode runs ``_npu_paged_attention`` (ATB, NNAL needed)."""
+    support = installed_op_support()
+    if support.get("_npu_paged_attention") is not None:
+        pytest.skip(f"no ATB decode on this stack: {support['_npu_paged_attention']}")
+    monkeypatch.setattr(npu_k, "op_support", lambda: {**support, FIA: "hidden by the test"})
+    meta, query, kc, vc = build_case(rows, 2, 2, torch.bfloat16, npu)
+    with fused_only():
+        out = npu_k.paged_attention(query, kc, vc, meta, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(out.cpu().float(), reference_attention(query, kc, vc, meta, HEAD_DIM ** -0.5),
+                               **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("rows", [DECODE_ROWS, PREFILL_ROWS, FRESH_ROWS], ids=["decode", "prefill", "all-fresh"])
 def test_paged_attention_256_token_blocks(npu, rows):
     """block_size 256: decode too goes through npu_fused_infer_attention_score here."""
     meta, query, kc, vc = build_case(rows, 2, 2, torch.bfloat16, npu, block_size=256)
@@ -200,3 +241,54 @@ def test_session_parity_npu_vs_cpu(tmp_path, dtype, tol):
             step = sess.prefill()
             logits[dev] = step.logits.to_host().float()
     torch.testing.assert_close(logits["npu"], logits["cpu"], atol=tol, rtol=tol)
+
+
+class RecordingAttention:
+    """torch_npu, with each FIA call noted: (paged?, cumulative query lengths, smallest block id)."""
+
+    def __init__(self, module):
+        self._module, self.fia = module, []
+
+    def __getattr__(self, op):
+        fn = getattr(self._module, op)
+        if op != FIA:
+            return fn
+
+        def call(*args, **kwargs):
+            table = kwargs.get("block_table")
+            self.fia.append((table is not None, list(kwargs["actual_seq_lengths"]),
+                             None if table is None else int(table.min().cpu())))
+            return fn(*args, **kwargs)
+        return call
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    rec = RecordingAttention(npu_k.load_torch_npu())
+    monkeypatch.setattr(npu_k, "load_torch_npu", lambda: rec)
+    return rec
+
+
+@pytest.fixture(scope="module")
+def session_checkpoint(tmp_path_factory):
+    return session_kit.make_checkpoint(tmp_path_factory.mktemp("tiny-npu") / "ckpt")
+
+
+def test_session_forced_steps_match_the_cpu_reference(npu, recording, session_checkpoint):
+    """Every step of the stand-in tests' forced run, decode included: pure decode steps run FIA
+    paged over tables padded with block 0, the first all-fresh prefill runs it unpaged."""
+    with fused_only():
+        got = session_kit.forced_run(session_kit.open_session(session_checkpoint, "npu", device=str(npu)))
+    session_kit.assert_same_forced_runs(got, session_kit.forced_run(
+        session_kit.open_session(session_checkpoint, "reference")))
+    decode = [c for c in recording.fia if c[0] and c[1] == list(range(1, len(c[1]) + 1))]
+    assert decode and all(c[2] >= 0 for c in recording.fia if c[0]), recording.fia
+    assert any(not paged for paged, _, _ in recording.fia), "the first, all-fresh prefill runs unpaged"
+
+
+def test_session_mixed_steps_match_the_cpu_reference(npu, session_checkpoint):
+    with fused_only():
+        got = session_kit.mixed_run(session_kit.open_session(session_checkpoint, "npu", device=str(npu),
+                                                             mixed_steps=True))
+    session_kit.assert_same_mixed_runs(got, session_kit.mixed_run(
+        session_kit.open_session(session_checkpoint, "reference", mixed_steps=True)))

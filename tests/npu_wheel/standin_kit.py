@@ -3,8 +3,8 @@
 ``StandIn`` takes the place of the torch_npu module: every op call is recorded (op name,
 positional arguments, keyword arguments) and answered with the outputs the WHEEL's meta
 registration infers for those arguments (ops without one, such as the ATB ops that write into
-``out``, answer None). ``run_scenarios`` drives each kernel through the decode, prefill-chunk, all-fresh,
-mixed and empty cases with ``DEVICE_TYPE`` pointed at the scenario's stand-in device, so the
+``out``, answer None). ``run_scenarios`` drives each kernel through the decode, prefill-chunk, all-fresh
+(one with a skipped token), mixed and empty cases with ``DEVICE_TYPE`` pointed at the scenario's stand-in device, so the
 fused paths run instead of the reference fallbacks. The stand-in device is "meta" (shapes only,
 and distinct from the cpu, so a host tensor passed where a device tensor belongs shows), except
 for ``write_kv``, whose slot values the checks read ("cpu"); ``run_scenarios(meta, "cpu")``
@@ -72,9 +72,10 @@ GQA = 4
 DEVICE = "meta"
 
 
-def attention_case(rows, block_size=BLOCK, seed=0, device=DEVICE):
+def attention_case(rows, block_size=BLOCK, seed=0, device=DEVICE, skipped=()):
     """rows: [(tokens computed before, query_len)] -> (query, key_cache, value_cache, meta), the
-    host copies on the cpu and everything else on ``device``."""
+    host copies on the cpu and everything else on ``device``; the tokens at the indices in
+    ``skipped`` get slot -1 (their position's slot in the table keeps what the cache holds)."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-(done + q) // block_size) for done, q in rows]
     free = (torch.randperm(sum(need) + 2, generator=gen) + 1).tolist()
@@ -86,36 +87,59 @@ def attention_case(rows, block_size=BLOCK, seed=0, device=DEVICE):
         bt[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
     slots = [tables[r][p // block_size] * block_size + p % block_size
              for r, (done, q) in enumerate(rows) for p in range(done, done + q)]
+    for t in skipped:
+        slots[t] = -1
     meta = AttentionMetadata.for_rows(rows, slots, bt, device)
     query = torch.randn(meta.num_tokens, KV_HEADS * GQA, HEAD_DIM, generator=gen).to(DTYPE)
     return query.to(device), kc.to(device), vc.to(device), meta
 
 
-ATTENTION_ROWS = {
-    "decode": ([(0, 1), (126, 1), (127, 1), (255, 1), (300, 1), (40, 1)], BLOCK),
-    "decode, 256-token blocks": ([(0, 1), (255, 1), (600, 1)], 256),
-    "prefill chunk": ([(100, 20), (128, 128), (0, 37)], BLOCK),
-    "prefill, all fresh": ([(0, 37), (0, 128), (0, 5), (0, 200)], BLOCK),
-    "mixed": ([(0, 37), (300, 1), (5, 1), (250, 6)], BLOCK),
+ATTENTION_ROWS = {   # name: (rows, block size, tokens with slot -1)
+    "decode": ([(0, 1), (126, 1), (127, 1), (255, 1), (300, 1), (40, 1)], BLOCK, ()),
+    "decode, 256-token blocks": ([(0, 1), (255, 1), (600, 1)], 256, ()),
+    "decode, all fresh": ([(0, 1), (0, 1), (0, 1)], BLOCK, ()),
+    "prefill chunk": ([(100, 20), (128, 128), (0, 37)], BLOCK, ()),
+    "prefill, all fresh": ([(0, 37), (0, 128), (0, 5), (0, 200)], BLOCK, ()),
+    "prefill, all fresh, a skipped token": ([(0, 37), (0, 5)], BLOCK, (3,)),
+    "mixed": ([(0, 37), (300, 1), (5, 1), (250, 6)], BLOCK, ()),
 }
 NO_FIA = {**ALL_OPS, "npu_fused_infer_attention_score": "the stand-in stack has no FIA"}
 
 
-def _attention(device, rows, block_size):
-    query, kc, vc, meta = attention_case(rows, block_size, device=device)
+def _attention(device, rows, block_size, skipped=()):
+    query, kc, vc, meta = attention_case(rows, block_size, device=device, skipped=skipped)
     out = npu_k.paged_attention(query, kc, vc, meta, HEAD_DIM ** -0.5)
     return out, [(tuple(query.shape), query.dtype)]
+
+
+def no_tokens_case(device):
+    """A step of no rows and no tokens: (query, key_cache, value_cache, meta)."""
+    kc = torch.randn(3, BLOCK, KV_HEADS, HEAD_DIM).to(DTYPE).to(device)
+    meta = AttentionMetadata(
+        positions=torch.empty(0, dtype=torch.int64, device=device),
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        block_tables=torch.empty(0, 1, dtype=torch.int32, device=device),
+        seq_lens=torch.empty(0, dtype=torch.int32, device=device),
+        query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
+        query_lens_host=(), seq_lens_host=(), is_decode=True)
+    return torch.empty(0, KV_HEADS * GQA, HEAD_DIM, dtype=DTYPE, device=device), kc, torch.randn_like(kc), meta
+
+
+def _attention_no_tokens(device):
+    query, kc, vc, meta = no_tokens_case(device)
+    return npu_k.paged_attention(query, kc, vc, meta, HEAD_DIM ** -0.5), [(tuple(query.shape), DTYPE)]
 
 
 def _write_kv(device, pattern="mixed"):
     gen = torch.Generator().manual_seed(1)
     kc = torch.randn(6, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
     vc = torch.randn_like(kc)
-    slots = torch.randperm(6 * BLOCK, generator=gen)[:40]
+    n = 0 if pattern == "no tokens" else 40
+    slots = torch.randperm(6 * BLOCK, generator=gen)[:n]
     slots[::3] = -1
     if pattern == "all skipped":
         slots[:] = -1
-    key = torch.randn(40, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+    key = torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
     kc, vc, slots, key = (t.to(device) for t in (kc, vc, slots, key))
     return npu_k.write_kv(key, torch.randn_like(key), kc, vc, slots), [None]
 
@@ -139,19 +163,25 @@ def _rope(device, t=9):
 
 
 SCENARIOS = {   # name: (stand-in device, run, what the stand-in stack has)
-    **{name: (DEVICE, lambda d, rows=rows, bs=bs: _attention(d, rows, bs), ALL_OPS)
-       for name, (rows, bs) in ATTENTION_ROWS.items()},
+    **{name: (DEVICE, lambda d, rows=rows, bs=bs, skip=skip: _attention(d, rows, bs, skip), ALL_OPS)
+       for name, (rows, bs, skip) in ATTENTION_ROWS.items()},
     "decode, ATB (no FIA)": (DEVICE, lambda d: _attention(d, ATTENTION_ROWS["decode"][0], BLOCK), NO_FIA),
+    "decode, all fresh, ATB (no FIA)": (
+        DEVICE, lambda d: _attention(d, ATTENTION_ROWS["decode, all fresh"][0], BLOCK), NO_FIA),
+    "paged_attention, no tokens": (DEVICE, _attention_no_tokens, ALL_OPS),
     "write_kv": ("cpu", _write_kv, ALL_OPS),
     "write_kv, all skipped": ("cpu", lambda d: _write_kv(d, "all skipped"), ALL_OPS),
+    "write_kv, no tokens": ("cpu", lambda d: _write_kv(d, "no tokens"), ALL_OPS),
     "rms_norm, hidden": (DEVICE, lambda d: _rms_norm(d, (5, 1024)), ALL_OPS),
     "rms_norm, per head": (DEVICE, lambda d: _rms_norm(d, (5, 8, HEAD_DIM)), ALL_OPS),
+    "rms_norm, no rows": (DEVICE, lambda d: _rms_norm(d, (0, 1024)), ALL_OPS),
     "add_rms_norm": (DEVICE, _add_rms_norm, ALL_OPS),
     "add_rms_norm, no rows": (DEVICE, lambda d: _add_rms_norm(d, 0), ALL_OPS),
     "rope": (DEVICE, _rope, ALL_OPS),
     "rope, no tokens": (DEVICE, lambda d: _rope(d, 0), ALL_OPS),
 }
-EMPTY = ("add_rms_norm, no rows", "rope, no tokens")     # nothing to compute: no op is called
+EMPTY = ("write_kv, no tokens", "paged_attention, no tokens", "rms_norm, no rows", "add_rms_norm, no rows",
+         "rope, no tokens")                             # nothing to compute: no op is called
 
 
 def run_with_stand_in(meta: MetaFunctions, device: str, run, support=None, stand_in=None):

@@ -32,13 +32,16 @@ def nan_outside_contexts(kc, vc, meta, block_size):
         cache.view(-1, *cache.shape[2:])[~keep] = float("nan")
 
 
-CASES = [(name, rows, bs, ALL_OPS) for name, (rows, bs) in ATTENTION_ROWS.items()]
-CASES.append(("decode, ATB (no FIA)", ATTENTION_ROWS["decode"][0], 128, NO_FIA))
+CASES = [(name, rows, bs, skip, ALL_OPS) for name, (rows, bs, skip) in ATTENTION_ROWS.items()]
+CASES += [("decode, ATB (no FIA)", ATTENTION_ROWS["decode"][0], 128, (), NO_FIA),
+          ("decode, all fresh, ATB (no FIA)", ATTENTION_ROWS["decode, all fresh"][0], 128, (), NO_FIA)]
 
 
-@pytest.mark.parametrize("name, rows, block_size, support", CASES, ids=[c[0] for c in CASES])
-def test_paged_attention_matches_the_reference(meta, signatures, name, rows, block_size, support):
-    query, kc, vc, m = attention_case(rows, block_size, device="cpu")
+@pytest.mark.parametrize("name, rows, block_size, skipped, support", CASES, ids=[c[0] for c in CASES])
+def test_paged_attention_matches_the_reference(meta, signatures, name, rows, block_size, skipped, support):
+    """A token with slot -1 reads its position's slot through the table, as the reference does
+    (every slot outside the contexts is NaN, so reading any other slot shows)."""
+    query, kc, vc, m = attention_case(rows, block_size, device="cpu", skipped=skipped)
     nan_outside_contexts(kc, vc, m, block_size)
     scale = HEAD_DIM ** -0.5
     out, calls = run_behaving(meta, signatures, lambda: npu_k.paged_attention(query, kc, vc, m, scale), support)

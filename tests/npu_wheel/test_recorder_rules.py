@@ -109,6 +109,22 @@ def test_an_all_fresh_batch_runs_unpaged_and_the_others_paged(scenarios):
 def test_decode_takes_atb_only_where_the_stack_has_no_fia(scenarios):
     assert [c.op for c in scenarios["decode"].calls] == [FIA]
     assert [c.op for c in scenarios["decode, ATB (no FIA)"].calls] == ["_npu_paged_attention"]
+    (fresh,) = scenarios["decode, all fresh"].calls               # one-token prompts: FIA unpaged
+    assert fresh.op == FIA and fresh.kwargs.get("block_table") is None
+    assert [c.op for c in scenarios["decode, all fresh, ATB (no FIA)"].calls] == ["_npu_paged_attention"]
+
+
+def test_an_all_fresh_batch_reads_a_skipped_tokens_position_through_the_table(valued_scenarios):
+    """Token 3 has slot -1: the unpaged K/V hold its position's slot (table[row, 3 // block]),
+    as the reference reads it, never slot 0."""
+    rows, block_size, skipped = ATTENTION_ROWS["prefill, all fresh, a skipped token"]
+    _, kc, _, m = attention_case(rows, block_size, device="cpu", skipped=skipped)
+    (call,) = valued_scenarios["prefill, all fresh, a skipped token"].calls
+    table = m.block_tables.long()
+    want = [int(table[r, p // block_size]) * block_size + p % block_size
+            for r, (done, q) in enumerate(rows) for p in range(done, done + q)]
+    assert int(m.slot_mapping[3]) == -1
+    assert torch.equal(call.kwargs["key"], kc.view(-1, *kc.shape[2:])[want])
 
 
 def test_the_zero_padded_table_is_built_once_per_step_and_the_engine_table_keeps_minus_one(meta):

@@ -5,8 +5,10 @@ import sys
 import torch
 
 from qwen_npu import env_report
-from qwen_npu.tools.cli import main
 from qwen_npu.device import npu_status, resolve_kernels
+from qwen_npu.device.npu_runtime import ATB_OPS, CUSTOM_OPS
+from qwen_npu.tools.cli import main
+from qwen_npu.tools.env import npu_attention_choice
 
 
 def test_report_lists_versions_devices_and_session_choice():
@@ -44,3 +46,47 @@ def test_cli_env_prints_text_and_json(capsys):
     assert text.startswith("qwen-npu environment") and "torch" in text and "session default" in text
     assert main(["env", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["torch"].startswith(torch.__version__)
+
+
+def _support(**missing):
+    return {op: missing.get(op) for op in (*CUSTOM_OPS, *ATB_OPS)}
+
+
+FIA, ATB = "npu_fused_infer_attention_score", "_npu_paged_attention"
+
+
+def _by_step(text):
+    """{"all-fresh prefill": ..., "prefill chunks and mixed steps": ..., "decode": ..., ...}"""
+    rest = text.split(": ", 1)[1]                              # after "block size N"
+    return dict(p.split(": ", 1) for p in rest.split("; ") if ": " in p)
+
+
+def test_npu_attention_choice_at_the_default_block_size_with_every_op():
+    text = npu_attention_choice(_support())
+    steps = _by_step(text)
+    assert text.startswith("block size 128: ") and "for every step" not in text
+    assert steps["all-fresh prefill"] == f"{FIA} (unpaged)"
+    assert steps["prefill chunks and mixed steps"] == f"{FIA} (paged)"
+    assert steps["decode"].startswith(f"{FIA} (paged), where that cannot: {ATB}")
+    assert "head_dim % 16 == 0" in text and "65535" in text
+
+
+def test_npu_attention_choice_at_a_block_size_paged_fia_cannot_take():
+    steps = _by_step(npu_attention_choice(_support(), block_size=16))
+    assert steps["all-fresh prefill"] == f"{FIA} (unpaged)"
+    assert steps["prefill chunks and mixed steps"] == "the reference"
+    assert steps["decode"].startswith(ATB)
+    steps = _by_step(npu_attention_choice(_support(), block_size=8))      # not for ATB either
+    assert steps["decode"] == "the reference"
+
+
+def test_npu_attention_choice_without_fia_or_without_atb():
+    text = npu_attention_choice(_support(**{FIA: "torch_npu 2.1 has no FIA"}))
+    steps = _by_step(text)
+    assert steps["all-fresh prefill"] == steps["prefill chunks and mixed steps"] == "the reference"
+    assert steps["decode"].startswith(ATB) and "no FIA: torch_npu 2.1 has no FIA" in text
+    text = npu_attention_choice(_support(**{ATB: "torch.ops.atb is not registered"}))
+    assert _by_step(text)["decode"] == f"{FIA} (paged)" and "no ATB decode: torch.ops.atb" in text
+    text = npu_attention_choice(_support(**{FIA: "none", ATB: "none", "npu_rms_norm": "none"}))
+    assert _by_step(text)["decode"] == "the reference" and "reference kernels: npu_rms_norm" in text
+    assert npu_attention_choice({}) == "- (torch_npu not loaded)"
