@@ -24,7 +24,9 @@ but does all arithmetic in fp32:
                        table (no gather, no padding to the longest
                        row); a decode token takes all its KV heads
                        at once, so its K/V stream in memory order;
-                       prefill tiles use a flash-style loop
+                       prefill tiles use a flash-style loop, on a CPU
+                       with AVX512-BF16 over bf16 pairs (csrc/
+                       attention_bf16.cpp: P rounded to bf16 for P V)
     write_kv         C++: one copy per token, negative slots skipped  identical
     rms_norm,        C++ (csrc/norm.cpp): one pass each instead of a   same roundings; the mean
       add_rms_norm,    dozen small torch ops per call                   square's summation order
@@ -67,7 +69,8 @@ from .onednn import prepares as prepares_weights  # noqa: F401
 
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("module.cpp", "linear.cpp", "linear_bf16.cpp", "attention.cpp", "attention_decode.cpp", "norm.cpp",
+SOURCES = ("module.cpp", "linear.cpp", "linear_bf16.cpp", "attention.cpp", "attention_bf16.cpp", "attention_decode.cpp",
+           "norm.cpp",
            "activation.cpp", "greedy.cpp", "peak.cpp")
 HEADERS = ("vec.h", "elementwise.h", "attention.h")
 # -fopenmp: at::parallel_for is a header template; without it the kernels would run on one thread
@@ -200,7 +203,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     softmax; several times faster, within the bf16 tolerance of the fp32 loop)."""
     if meta.is_decode or query.dtype != torch.bfloat16 or not amx():
         return ops().paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, float(scale))
+                                     meta.query_start_loc, float(scale), bf16_dot())
     split = _last_split
     if split is None or split[0] is not meta:            # once per step: every layer shares the metadata
         split = _split_rows(meta)
@@ -210,7 +213,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if split[2] is not None:     # the rest (decode rows of a mixed step, short chunks) in one fp32 call
         tokens, tables, seq_lens, starts = split[2]
         out[tokens] = ops().paged_attention(query[tokens], key_cache, value_cache, tables, seq_lens, starts,
-                                            float(scale))
+                                            float(scale), bf16_dot())
     return out
 
 

@@ -3,10 +3,10 @@
     AVX2 + FMA, the cpu set can be built  -> "cpu"
         without native bf16: torch's bf16 products take a slow generic path; the cpu set does
         fp32 arithmetic on bf16 storage, 4-12x faster there
-        with native bf16 (AVX512-BF16 or AMX): the cpu set runs decode-sized products with
-        native bf16 dot products (AVX512-BF16), sends prefill-sized ones to torch's bf16 product
-        (oneDNN) and runs attention, norms, RoPE and KV writes in its own kernels, faster than
-        the reference set at every step shape measured (docs/benchmarks.md)
+        with native bf16 (AVX512-BF16 or AMX): the cpu set runs every product of a bf16 model
+        through oneDNN on weights reordered once at load (kernels/onednn.py) and attention,
+        norms, RoPE and KV writes in its own kernels, faster than the reference set at every
+        step shape measured (docs/benchmarks.md)
     otherwise                             -> "reference", with the reason the cpu set cannot run
 
 ``choose()`` returns (set, reason); ``qwen-npu env`` prints both. What the CPU can do is read in
@@ -32,9 +32,9 @@ def choose() -> tuple[str, str]:
     if state == "failed":
         return "reference", f"building the cpu set failed: {detail}; the reference set is {SLOWER}"
     if native:
-        return "cpu", (f"{evidence}; {reason}: the cpu set runs many-row products through torch's bf16 "
-                       f"product and the rest (decode products, attention, norms) in its own kernels, "
-                       f"faster than the reference set at every step shape measured")
+        return "cpu", (f"{evidence}; {reason}: the cpu set runs the products through oneDNN on weights "
+                       f"reordered once at load and the rest (attention, norms, KV writes) in its own "
+                       f"kernels, faster than the reference set at every step shape measured")
     return "cpu", f"{evidence}; {reason}: the cpu set's fp32 arithmetic beats torch's generic bf16 path"
 
 

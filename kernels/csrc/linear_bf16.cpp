@@ -17,9 +17,6 @@
 #include <ATen/Parallel.h>
 #include <stdexcept>
 
-#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 11)
-#define QN_BF16_DOT 1
-#endif
 
 namespace qwen_npu_cpu {
 

@@ -6,6 +6,12 @@
 #include <cstdint>
 #include <tuple>
 
+// Compilers that take the avx512bf16 target attribute build the native bf16 kernels
+// (linear_bf16.cpp, attention_bf16.cpp); with an older one those report themselves absent.
+#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 11)
+#define QN_BF16_DOT 1
+#endif
+
 namespace qwen_npu_cpu {
 
 // ---- loads that widen to fp32 -----------------------------------------------------------------
@@ -145,6 +151,7 @@ std::tuple<double, double> fma_peak(int64_t kind, int64_t iters);
 
 struct AttentionShape {
   int64_t rows, heads, kv_heads, head_dim, block_size, max_blocks;
+  bool bf16_dot = false;      // prefill tiles of bf16 caches on AVX512-BF16 (attention_bf16.cpp)
 };
 template <typename S>
 void attention_kernel(const S* query, const S* key_cache, const S* value_cache, const int32_t* block_tables,
