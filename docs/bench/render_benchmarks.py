@@ -210,9 +210,9 @@ def render(res: dict, md: Path, png: Path, extra: list[Path] | None = None) -> N
                   "| kernels | batch 1 (ms) | batch 16 (ms) |", "|---|---|---|"]
         lines += [f"| `{k}` | {_f(v.get('b1'))} | {_f(v.get('b16'))} |" for k, v in ks.items()]
         lines += ["", "`reference` is the pure-torch truth (bf16 matrix products through torch); `cpu` is the",
-                  "C++ set in `kernels/cpu.py` (AVX2, fp32 arithmetic on bf16 storage; on a CPU with",
-                  "AVX512-BF16, native bf16 dot products below 20 rows and torch's bf16 product from 20 rows",
-                  "on, from 6 rows on with AMX tiles), which `kernels=\"auto\"` picks wherever it can be built.", ""]
+                  "C++ set in `kernels/cpu.py` (AVX2, fp32 arithmetic on bf16 storage; on a CPU with native",
+                  "bf16, every product through oneDNN on weights reordered once at load and prefill attention",
+                  "on bf16 pairs), which `kernels=\"auto\"` picks wherever it can be built.", ""]
     if sc.get("grid"):
         ms, tok = scaling_tables(sc)
         have_png = plot(sc, png)
@@ -241,17 +241,18 @@ def render(res: dict, md: Path, png: Path, extra: list[Path] | None = None) -> N
         lines += machine_section(json.loads(path.read_text()))
     lines += ["## What makes qwen-npu fast here", "",
               "- The LM head runs only for the rows that sample; q/k/v and gate/up are one matrix each.",
-              "- `kernels=\"cpu\"`: bf16 weights are widened to fp32 in registers. Decode streams each",
-              "  weight row once (batch 1: four rows at a time, prefetched ahead); prefill packs x in",
-              "  6-row groups and weights in transposed 16-row panels for a 6 x 16 register tile. On a",
-              "  CPU with AVX512-BF16, fewer than 20 rows (decode) take native bf16 dot products straight",
-              "  from bf16 x and weights (`csrc/linear_bf16.cpp`: 8 weight rows x 2 x rows per tile), and",
-              "  20 rows and more (prefill) torch's bf16 product; with AMX tiles torch's product (on the",
-              "  tiles) from 6 rows, and bf16 prefill rows of 16 tokens or more attend through torch's SDPA.",
+              "- `kernels=\"cpu\"` on a CPU with native bf16 (AVX512-BF16, AMX): every matrix is reordered",
+              "  once at load into oneDNN's blocked layout (`kernels/onednn.py`), backed by huge pages, and",
+              "  every product runs on it (fewer than four rows padded to four); prefill attention tiles run",
+              "  on bf16 pairs (`csrc/attention_bf16.cpp`), and with AMX tiles bf16 prefill rows of 16",
+              "  tokens or more attend through torch's SDPA. Without native bf16: bf16 weights are widened",
+              "  to fp32 in registers; decode streams each weight row once (batch 1: four rows at a time,",
+              "  prefetched ahead); prefill packs x in 6-row groups and weights in transposed 16-row panels",
+              "  for a 6 x 16 register tile.",
               "- Decode attention takes all KV heads of a token in one work item, so each position's K/V",
               "  (adjacent in the cache) stream through memory in order; positions are found through",
               "  offsets worked out once per item from the block table.",
-              "- The weights live in one 2 MiB-aligned arena advised for transparent huge pages.",
+              "- Plain weights live in one 2 MiB-aligned arena advised for transparent huge pages.",
               "- q/k head norms and RoPE run as one kernel, SiLU-mul as another; greedy sampling and the",
               "  logits health check share one read of the logits (`csrc/greedy.cpp`).",
               "- The scheduler does not admit a prompt in the step where another row is computing the",
