@@ -45,7 +45,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "config.json",
-                  generation: dict | None = None, generation_source: str = "generation_config.json") -> "ModelConfig":
+                  generation: dict | None = None, generation_source: str = "generation_config.json") -> ModelConfig:
         """Build from a Hugging Face config dict (RoPE as ``rope_theta`` or ``rope_parameters``).
         Every field is checked: CheckpointError naming ``source`` (or ``generation_source`` for
         the eos ids it gives), the field and its value."""
@@ -96,7 +96,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
@@ -186,6 +186,8 @@ class SessionConfig:
     deterministic: bool = False     # one forward per token: results independent of batch and chunking
     sync_timings: bool = False      # end the prepare and forward phases at a device synchronisation
     mixed_steps: bool = False       # step()/generate() put decode rows and prefill chunks in one forward
+    speculative: str | None = None  # the drafter of speculative decoding ("ngram"), or None
+    num_speculative_tokens: int = 0  # drafts per decode row (0 without speculative)
 
     @property
     def max_blocks_per_seq(self) -> int:

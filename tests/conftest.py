@@ -46,7 +46,7 @@ def tiny_ckpt_small_vocab(tmp_path_factory):
 # The Session-level parity and collision tests run once per kernel set that runs on the CPU (the
 # cuda set is pure torch and runs here too), whatever kernels="auto" would pick on this host:
 # modules whose names start with one of these.
-BOTH_KERNEL_SETS = ("test_hf_parity", "test_session_hf_greedy", "test_collisions_")
+BOTH_KERNEL_SETS = ("test_hf_parity", "test_session_hf_greedy", "test_collisions_", "test_speculative_greedy")
 
 
 def pytest_generate_tests(metafunc):

@@ -22,7 +22,8 @@ from itertools import groupby
 from ..errors import SlotCollisionError, warn
 from .ledger import SlotLedger
 
-KINDS = ("prefill", "decode", "mixed")   # a step's kind; a mixed step has decode and prefill rows
+# a step's kind; a mixed step has decode and prefill rows, a verify step decode rows with drafts
+KINDS = ("prefill", "decode", "mixed", "verify")
 CHECKS = ("duplicate", "padding_write", "beyond_cache", "outside_blocks", "wrong_slot", "shared_block",
           "live_overwrite")  # also the order problems are reported in
 
@@ -53,7 +54,7 @@ class StepWrites:
     """What one step is about to write, row by row (rows >= num_active are padding)."""
 
     step: int
-    kind: str                          # "prefill" | "decode" | "mixed"
+    kind: str                          # "prefill" | "decode" | "mixed" | "verify"
     num_dispatched: int                # rows launched
     num_active: int                    # real rows; padding rows carry the request id they copied
     row_request_ids: list[int]         # [rows]
@@ -62,22 +63,31 @@ class StepWrites:
     row_block_tables: list[list[int]]  # [rows][blocks], may be -1 padded
     # [rows] "decode" | "prefill"; () = every row of the step's kind (a "mixed" step must say)
     row_kinds: Sequence[str] = ()
+    # [rows] drafts a decode row verifies (it writes 1 + that many tokens); () = none anywhere
+    row_drafts: Sequence[int] = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"step {self.step}: kind must be 'prefill', 'decode' or 'mixed', got {self.kind!r}")
+            raise ValueError(f"step {self.step}: kind must be one of {', '.join(map(repr, KINDS))}, "
+                             f"got {self.kind!r}")
         n, at = self.num_dispatched, f"step {self.step}"
         if self.row_kinds or self.kind == "mixed":
             if len(self.row_kinds) != n:
                 raise ValueError(f"{at}: row_kinds has {len(self.row_kinds)} rows, expected {n} "
                                  f"(a mixed step names each row's kind)")
+            own = "decode" if self.kind == "verify" else self.kind
             bad = [(r, k) for r, k in enumerate(self.row_kinds) if k not in ("decode", "prefill")
-                   or (self.kind != "mixed" and k != self.kind)]
+                   or (self.kind != "mixed" and k != own)]
             if bad:
                 raise ValueError(f"{at} ({self.kind}): row {bad[0][0]} has kind {bad[0][1]!r}")
+        if self.row_drafts and len(self.row_drafts) != n:
+            raise ValueError(f"{at}: row_drafts has {len(self.row_drafts)} rows, expected {n}")
         for r, k in enumerate(self.row_kinds):
-            if k == "decode" and len(self.row_slots[r]) != 1:
-                raise ValueError(f"{at}: row {r} is a decode row but writes {len(self.row_slots[r])} tokens")
+            want = 1 + (self.row_drafts[r] if self.row_drafts else 0)
+            if k == "decode" and len(self.row_slots[r]) != want:
+                drafts = f" (its last token and {want - 1} drafts)" if want > 1 else ""
+                raise ValueError(f"{at}: row {r} is a decode row{drafts} but writes {len(self.row_slots[r])} "
+                                 f"tokens")
         if not 0 <= self.num_active <= n:
             raise ValueError(f"{at}: num_active={self.num_active} not in 0..{n}")
         for name in ("row_request_ids", "row_positions", "row_slots", "row_block_tables"):
@@ -187,6 +197,8 @@ def check_step_writes(writes: StepWrites, *, block_size: int, num_blocks: int | 
     if w.kind == "mixed":
         d = w.row_kinds[:w.num_active].count("decode")
         kind = f"mixed: {d} decode, {w.num_active - d} prefill"
+    elif w.kind == "verify":
+        kind = f"verify: {sum(getattr(w, 'row_drafts', ()))} drafts"
     header = f"step {w.step} ({kind}, {n} row{'s' * (n != 1)} dispatched, {w.num_active} active): "
     return _find(header, slots, tok_rows, pos, w.row_block_tables, w.num_active, block_size, num_blocks,
                  w.row_request_ids, ref_count, ledger, is_live,

@@ -18,6 +18,7 @@ import torch
 from . import sampler
 from .request import ABORTED, DECODING, FINISHED, FIXED_FIELDS, PREFILLING, STEP_FIELDS, WAITING, Request
 
+
 class RequestDraft:
     """A request as a step in progress sees it (see the module docstring). Its fields are exactly
     ``Request.STEP_FIELDS`` (staged here, written back by ``StepDraft.apply``) and
@@ -115,6 +116,8 @@ class StepDraft:
         token or string as ``stop_reason``); else reaching ``max_new_tokens`` gives ``"length"``."""
         d.append_token(token, logprob)
         d.status = DECODING
+        if d.draft_token_ids:             # drafts are proposed for the tokens as they were
+            d.draft_token_ids = ()
         may_stop = len(d.output_token_ids) > d.sampling.min_new_tokens
         hit = d.stop_strings.push(token, search=may_stop) if d.stop_strings is not None else None
         if may_stop and (token in d.stop_token_ids or hit is not None):
@@ -143,6 +146,7 @@ def preempt(draft: StepDraft, d: RequestDraft) -> None:
     """Stage a preemption: the request's blocks go back, it waits to be recomputed."""
     draft.manager.free(d.id)
     d.num_computed_tokens = 0
+    d.draft_token_ids = ()
     d.status = WAITING
     d.num_preemptions += 1
 

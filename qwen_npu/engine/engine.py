@@ -8,13 +8,12 @@ from ..cache.ledger import SlotLedger
 from ..cache.manager import KVCacheManager
 from ..config import SessionConfig
 from ..model.qwen3 import Qwen3Model
-from .runner import DispatchBuffers
 from .deterministic import TokenByTokenRunner
 from .draft import StepDraft
 from .faults import FaultEmulator
 from .hooks import StepHooks
 from .request import ABORTED, FINISHED, Request
-from .runner import ModelRunner
+from .runner import DispatchBuffers, ModelRunner
 from .step import Commit, StreamHealthWarning, check_not_pending, commit  # noqa: F401 - re-exported
 from .transaction import CallGate
 
@@ -34,7 +33,8 @@ class Engine:
             max_batch=config.max_batch,
             max_tokens=min(config.chunk_size, config.max_batch * config.max_model_len),
             max_blocks=config.max_blocks_per_seq, vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
-            hidden_dtype=model.dtype, device=device)
+            hidden_dtype=model.dtype, device=device,
+            max_logits=config.max_batch * (1 + config.num_speculative_tokens))
         runner = TokenByTokenRunner if config.deterministic else ModelRunner
         self.runner = runner(model, self.kv_cache, self.buffers, sync_timings=config.sync_timings)
         # None, or the step hooks of the open captures and interventions (engine/hooks.py)

@@ -18,12 +18,13 @@ from ..cache.slot_check import KINDS
 from .request import DECODING, Request
 
 # A step's kind (KINDS): every row decodes one token ("decode"), every row computes a prefill
-# chunk ("prefill"), or decode rows and prefill chunks share one forward ("mixed", ``mixed_steps=True``).
+# chunk ("prefill"), decode rows and prefill chunks share one forward ("mixed", ``mixed_steps=True``),
+# or every row decodes and some verify drafts ("verify", ``speculative=``; engine/speculative.py).
 
 
 def buffer_set(kind: str) -> str:
-    """The dispatch/output buffer set a step of ``kind`` uses: a mixed step has rows of many
-    tokens, so it runs through the prefill set (and the kernels' varlen prefill path)."""
+    """The dispatch/output buffer set a step of ``kind`` uses: a mixed or verify step has rows of
+    many tokens, so it runs through the prefill set (and the kernels' varlen prefill path)."""
     return "decode" if kind == "decode" else "prefill"
 
 
@@ -35,6 +36,7 @@ class PlanRow:
     needs_logits: bool    # the row reaches the end of the request's known tokens
     padding: bool = False  # a replicate-padding row (copies row 0)
     kind: str = "prefill"  # "decode": the row's request was decoding; "prefill": a prompt chunk
+    drafts: tuple[int, ...] = ()   # a decode row's drafts: it computes its last token, then these
 
 
 @dataclasses.dataclass
@@ -60,6 +62,15 @@ class StepPlan:
     def row_kinds(self) -> list[str]:
         """Per row: "decode" or "prefill" (a mixed step has both)."""
         return [r.kind for r in self.rows]
+
+    @property
+    def row_drafts(self) -> list[int]:
+        """Per row: how many drafts it verifies (0 but for a decode row of a speculative step)."""
+        return [len(r.drafts) for r in self.rows]
+
+    @property
+    def num_drafts(self) -> int:
+        return sum(len(r.drafts) for r in self.rows)
 
     # ---- the plan read as the slot checks' StepWrites (cache/slot_check.py) ----------------
     @property
@@ -117,6 +128,9 @@ def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: d
                block_size: int, *, pad_to: int | None = None) -> StepPlan:
     """Plan ``rows`` = [(request, tokens to compute)], each starting at its ``num_computed_tokens``.
 
+    A decode row of more than one token verifies its request's ``draft_token_ids`` (exactly
+    ``tokens - 1`` of them): it computes the last token and the drafts, with logits at each.
+
     ``pad_to`` (decode only) reproduces the old fixed-batch runner: rows ``len(rows)..pad_to``
     copy row 0's token, position, block table and slot, and every row is dispatched.
     """
@@ -128,15 +142,22 @@ def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: d
         start = req.num_computed_tokens
         end = start + n
         table = tables[req.id]
-        row_kind = "decode" if kind == "decode" or (kind == "mixed" and req.status == DECODING) else "prefill"
-        row = PlanRow(req, start, end, needs_logits=end == req.num_tokens, kind=row_kind)
+        decoding = kind in ("decode", "verify") or (kind == "mixed" and req.status == DECODING)
+        drafts = tuple(req.draft_token_ids) if decoding and n > 1 else ()
+        if len(drafts) != (n - 1 if decoding else 0):
+            raise ValueError(f"request {req.id}: a decode row of {n} tokens verifies {n - 1} drafts, "
+                             f"but it holds {len(drafts)}")
+        row = PlanRow(req, start, end, needs_logits=end - len(drafts) == req.num_tokens,
+                      kind="decode" if decoding else "prefill", drafts=drafts)
         plan_rows.append(row)
-        ids += req.all_token_ids[start:end] if n > 1 else [req.all_token_ids[start]]
+        ids += (req.all_token_ids[start:end] if n > 1 else [req.all_token_ids[start]]) if not drafts else \
+            [req.all_token_ids[start], *drafts]
         pos += range(start, end)
         slots += slot_mapping(table, start, end, block_size)
         if row.needs_logits:
-            lidx.append(len(ids) - 1)
-            lrows.append(len(plan_rows) - 1)
+            first = len(ids) - 1 - len(drafts)           # a verification row has logits at every token
+            lidx += range(first, len(ids))
+            lrows += [len(plan_rows) - 1] * (1 + len(drafts))
         qlens.append(n)
         slens.append(end)
         btabs.append(table)
@@ -179,9 +200,12 @@ class StepResult:
     # per active row: its request's num_preemptions when the step ran (a change between two steps of a
     # request means it was preempted in between and restarted with a new block table)
     row_preemptions: list = dataclasses.field(default_factory=list)
+    # after sampling a verify step: request id -> how many of its drafts were kept (the rest rolled back)
+    accepted: dict = dataclasses.field(default_factory=dict)
     _tensors: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    kind = property(lambda self: self.plan.kind, doc='"prefill" | "decode" | "mixed" (both kinds of row)')
+    kind = property(lambda self: self.plan.kind,
+                    doc='"prefill" | "decode" | "mixed" (both kinds of row) | "verify" (decode rows with drafts)')
     index = property(lambda self: self.plan.index, doc="the session's step counter")
     request_ids = property(lambda self: self.plan.request_ids,
                            doc="one per dispatched row (padding rows repeat the copied id)")
@@ -193,8 +217,23 @@ class StepResult:
 
     @property
     def logits_request_ids(self) -> list[int]:
-        """The request of each logits row, in order."""
+        """The request of each logits row, in order (a verification row has one per token)."""
         return [self.plan.rows[r].request.id for r in self.plan.logits_rows]
+
+    @property
+    def drafts(self) -> dict[int, tuple[int, ...]]:
+        """Request id -> the drafts its row verifies (rows with drafts only)."""
+        return {r.request.id: r.drafts for r in self.plan.rows[:self.plan.num_active] if r.drafts}
+
+    @property
+    def rolled_back(self) -> dict[int, list[int]]:
+        """After sampling: request id -> the slots of its rejected drafts, given back ({} before)."""
+        out = {}
+        for row, a, b in self.plan.row_slices():
+            r = self.plan.rows[row]
+            if row < self.plan.num_active and r.drafts and r.request.id in self.accepted:
+                out[r.request.id] = self.plan.slot_mapping[b - len(r.drafts) + self.accepted[r.request.id]:b]
+        return out
 
     def _tensor(self, name: str, make) -> torch.Tensor:
         t = self._tensors.get(name)

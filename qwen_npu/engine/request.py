@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import InvalidRequestError
 from .logprobs import TokenLogprob
+from .speculative import SpecStats
 from .stopping import StopStrings
 
 WAITING, PREFILLING, DECODING, FINISHED, ABORTED = "waiting", "prefilling", "decoding", "finished", "aborted"
@@ -31,7 +32,7 @@ MIN_TEMPERATURE = 1e-5
 # A Request's public fields, in two kinds: those a step may change (a step stages them on a
 # RequestDraft and its commit assigns exactly these) and those fixed when the request is made.
 STEP_FIELDS = ("status", "num_computed_tokens", "num_cached_tokens", "num_preemptions", "output_token_ids",
-               "logprobs", "finish_reason", "stop_reason", "stop_strings")
+               "logprobs", "finish_reason", "stop_reason", "stop_strings", "draft_token_ids", "spec_stats")
 FIXED_FIELDS = ("id", "prompt_token_ids", "sampling", "stop_token_ids", "prompt_text")
 
 
@@ -163,6 +164,10 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
         self.stop_strings = StopStrings(sampling.stop, decode) if sampling.stop and decode else None
         self.prompt_text = prompt_text
+        # speculative decoding (speculative.py): the drafts staged for the next verification
+        # (never computed tokens) and the acceptance counts so far
+        self.draft_token_ids: tuple[int, ...] = ()
+        self.spec_stats = SpecStats()
         self._block_table = block_table
         self._decode = decode
 
@@ -216,7 +221,7 @@ class Completion:
     logprobs: tuple[TokenLogprob, ...] | None = None   # one per token, with SamplingParams(logprobs=k)
 
     @classmethod
-    def of(cls, req: Request) -> "Completion":
+    def of(cls, req: Request) -> Completion:
         lps = tuple(req.logprobs) if req.logprobs is not None else None
         return cls(req.id, tuple(req.prompt_token_ids), tuple(req.output_token_ids), req.text,
                    req.finish_reason, req.stop_reason, lps)

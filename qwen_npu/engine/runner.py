@@ -120,8 +120,11 @@ class DeviceLogits:
 
 class DispatchBuffers:
     def __init__(self, *, max_batch: int, max_tokens: int, max_blocks: int, vocab_size: int,
-                 hidden_size: int, hidden_dtype: torch.dtype, device: torch.device):
+                 hidden_size: int, hidden_dtype: torch.dtype, device: torch.device, max_logits: int | None = None):
         self.max_batch = max_batch
+        # logits rows of a step of each set: one per row, but in the prefill set one per token of a
+        # verification row (speculative decoding: max_batch * (1 + drafts per row))
+        self.max_logits = {"decode": max_batch, "prefill": max_logits or max_batch}
         self.max_tokens = max_tokens
         self.device = device
         i32, i64 = torch.int32, torch.int64
@@ -140,7 +143,7 @@ class DispatchBuffers:
             self.tensors[pre + "seq_lens"] = z(max_batch, dtype=i32)
             self.tensors[pre + "block_tables"] = z(max_batch, max_blocks, dtype=i32)
             self.tensors[pre + "query_start_loc"] = z(max_batch + 1, dtype=i32)
-            self.tensors[pre + "logits_index"] = z(max_batch, dtype=i64)
+            self.tensors[pre + "logits_index"] = z(self.max_logits[kind], dtype=i64)
         # pinned mirrors of each set's buffers (on an accelerator; pinned.py), and the sampler's
         self.pinned = {kind: PinnedCopies(device, {n: (t.numel(), t.dtype) for n, t in self.tensors.items()
                                                    if n.startswith("prefill.") == (kind == "prefill")})
@@ -151,9 +154,10 @@ class DispatchBuffers:
         for kind in ("decode", "prefill"):
             pre = "" if kind == "decode" else "prefill."
             for pair, tail in ((0, ""), (1, ".1")):
-                self.tensors[pre + "logits" + tail] = self.output(kind, "logits", max_batch, vocab_size,
+                rows = self.max_logits[kind]
+                self.tensors[pre + "logits" + tail] = self.output(kind, "logits", rows, vocab_size,
                                                                   torch.float32, pair).tensor
-                self.tensors[pre + "hidden" + tail] = self.output(kind, "hidden", max_batch, hidden_size,
+                self.tensors[pre + "hidden" + tail] = self.output(kind, "hidden", rows, hidden_size,
                                                                   hidden_dtype, pair).tensor
 
     def output(self, kind: str, name: str, capacity: int, width: int, dtype: torch.dtype,
@@ -271,6 +275,6 @@ class ModelRunner:
         handles are all stale already (the step's commit publishes it; see the module docstring)."""
         b, cfg = self.buffers, self.model.config
         pair = b.spare(kind)
-        logits_buf = b.output(kind, "logits", b.max_batch, cfg.vocab_size, torch.float32, pair)
-        hidden_buf = b.output(kind, "hidden", b.max_batch, cfg.hidden_size, self.model.dtype, pair)
+        logits_buf = b.output(kind, "logits", b.max_logits[kind], cfg.vocab_size, torch.float32, pair)
+        hidden_buf = b.output(kind, "hidden", b.max_logits[kind], cfg.hidden_size, self.model.dtype, pair)
         return logits_buf, hidden_buf

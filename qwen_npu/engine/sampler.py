@@ -62,7 +62,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     per_row, ints = put(per_row, "sample.floats"), put(ints, "sample.ints")
     x = logits.float() / per_row[:, :1]                                  # [rows, vocab]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        x = _mask_top_k_top_p(x, ints[:, 1], per_row[:, 1])
+        x = mask_top_k_top_p(x, ints[:, 1], per_row[:, 1])
     probs = torch.softmax(x, dim=-1)
     sampled = (probs / exponential_noise(ints[:, 2], vocab)).argmax(dim=-1)
     return torch.where(ints[:, 0] != 0, greedy_ids, sampled), h2d
@@ -72,23 +72,33 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [rows, vocab] float32, a pure function of each row's int64 key and the token id.
 
     Two rounds of a 32-bit integer hash (in int64, masked, so no product overflows) mix the token
-    id with the key's low and then high half; the top 24 bits give a uniform u in (0, 1) (never 0
-    or 1, so the noise is finite and positive) and the noise is ``-log(u)``.
+    id with the key's low and then high half; ``exp1`` turns the hash into the noise.
     """
     lo, hi = keys & _M32, (keys >> 32) & _M32                          # [rows]
     ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    h = _mix(_mix(ids[None, :] ^ lo[:, None]) ^ hi[:, None])            # [rows, vocab] in [0, 2**32)
-    u = ((h >> 8).float() + 0.5) * (2.0 ** -24)
-    return -torch.log(u)
+    return exp1(_mix(_mix(ids[None, :] ^ lo[:, None]) ^ hi[:, None]))  # hashes [rows, vocab] in [0, 2**32)
+
+
+def exp1(h: torch.Tensor) -> torch.Tensor:
+    """Exp(1) values of 32-bit hashes ``h`` (int64 in [0, 2**32)): v = (h + 0.5) / 2**32 is uniform
+    in (0, 1), capped at 1 - 2**-24 where float32 rounds it up to 1, and the value is
+    ``-log1p(-v)``: finite and positive for every hash (about 1.2e-10 to 16.6), with float32's
+    full resolution near 0, where the tokens that win the race draw their noise. A token of
+    probability 0 therefore never wins (0 / noise is 0), and none of probability p > 0 is left out.
+    """
+    v = ((h.float() + 0.5) * 2.0 ** -32).clamp_(max=1.0 - 2.0 ** -24)
+    return -torch.log1p(-v)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A widely published 32-bit integer hash: xor-shift by 16, multiply by 0x45d9f3b, twice, and a
+    last xor-shift (each output bit depends on every input bit; its statistics are in docs/npu.md)."""
     x = (((x >> 16) ^ x) * _MIX) & _M32
     x = (((x >> 16) ^ x) * _MIX) & _M32
     return (x >> 16) ^ x
 
 
-def _mask_top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+def mask_top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     """Set to -inf every logit outside a row's top-k and outside its top-p nucleus.
 
     The most likely token always survives. x [rows, vocab] float32.

@@ -93,12 +93,15 @@ class Scheduler:
             budget -= n
         return rows
 
-    def mixed_rows(self, draft: StepDraft, requests, candidates) -> list[tuple]:
+    def mixed_rows(self, draft: StepDraft, requests, candidates, drafts=None) -> list[tuple]:
         """The rows of a mixed step: every decode row, then prefill chunks in the budget left.
-        May preempt (see module docstring)."""
+        May preempt (see module docstring). ``drafts(rows, budget) -> rows``: speculative decoding
+        grows the decode rows by their drafts (``speculative.attach_drafts``) before the chunks."""
         before = {r.id: draft.of(r).num_preemptions for r in requests}
         rows = [(r, 1) for r in self.decode_rows(draft, requests)]
-        if len(rows) >= self.chunk_size:
+        if drafts is not None:
+            rows = drafts(rows, self.chunk_size - len(rows))
+        if sum(n for _, n in rows) >= self.chunk_size:
             return rows
         preempted = any(draft.of(r).num_preemptions != before[r.id] for r in requests)
         return self.prefill_rows(draft, requests, candidates, rows=rows, admitting=not preempted)

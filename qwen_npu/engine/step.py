@@ -26,7 +26,7 @@ import torch
 from ..cache.ledger import LedgerWrites
 from ..cache.slot_check import check_step_writes, raise_or_warn
 from ..errors import InvalidRequestError, warn
-from . import sampler
+from . import sampler, verify
 from .draft import DONE, StepDraft
 from .plan import StepPlan, StepResult, buffer_set, build_plan
 from .runner import DeviceLogits
@@ -48,6 +48,7 @@ class Sampled:
     h2d: int
     d2h: int
     seconds: float
+    accepted: dict | None = None          # a verify step's: request id -> drafts kept (verify.py)
 
 
 @dataclasses.dataclass
@@ -86,6 +87,8 @@ def commit(engine, c: Commit, *, undo: bool = False) -> None:
         step.transfers["h2d"] += s.h2d
         step.transfers["d2h"] += s.d2h
         step.timings["sample"] = s.seconds
+        if s.accepted is not None:
+            step.accepted = s.accepted
         engine.buffers.pinned["sample"].publish()
     sess = c.session
     if c.requests:
@@ -203,9 +206,9 @@ def book(engine, plan: StepPlan, draft: StepDraft, step_hook) -> LedgerWrites:
     if step_hook is not None:
         for rid, why in step_hook.private_requests().items():    # K/V computed under a research edit
             manager.keep_private(rid, why)
-    for row in plan.rows[:plan.num_active]:
-        row.request.num_computed_tokens = row.end
-        manager.commit(row.request.id, row.request.all_token_ids, row.end)
+    for row in plan.rows[:plan.num_active]:       # drafts are not computed tokens until accepted
+        row.request.num_computed_tokens = row.end - len(row.drafts)
+        manager.commit(row.request.id, row.request.all_token_ids, row.end - len(row.drafts))
     writes = engine.ledger.prepare(plan.index, plan.slot_mapping, plan.token_request_ids, plan.positions,
                                    plan.token_rows, plan.token_kinds)
     fault_point("booked")
@@ -238,7 +241,12 @@ def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dic
     The one host sync: a single int64 per row, the token id with the row's health code in its
     upper 32 bits (``2 + k`` int64 when a row records log-probabilities, see ``logprobs.py``).
     Random generators advance on copies that the commit puts in place. ``pinned``: the
-    sampler's ``PinnedCopies`` (its spare set; the commit publishes it)."""
+    sampler's ``PinnedCopies`` (its spare set; the commit publishes it). A step that verifies
+    drafts is sampled by ``verify.sample_verified`` (acceptance and rollback on the draft)."""
+    if step.plan.num_drafts:
+        s = verify.sample_verified(step, draft, generators, pinned)
+        s["health"] = [(rid, HEALTH[c]) for rid, c in s["health"]]
+        return Sampled(**s)
     t0 = time.perf_counter()
     reqs = [draft.of(r) for r in (draft.requests[i] for i in step.logits_request_ids)]
     logits = step.logits.view_unchecked()                                           # [rows, vocab]

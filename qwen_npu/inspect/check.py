@@ -128,9 +128,12 @@ def _requests(manager, requests) -> list[str]:
         if blocks_needed(n, bs) > len(table):
             out.append(f"request {req.id} has computed {n} tokens, which need {blocks_needed(n, bs)} blocks of "
                        f"{bs}, but its block table {table} has only {len(table)}")
-        if len(table) > blocks_needed(req.num_tokens, bs):
-            out.append(f"request {req.id} has {req.num_tokens} tokens (at most {blocks_needed(req.num_tokens, bs)} "
-                       f"blocks) but its block table {table} has {len(table)}")
+        drafts = len(req.draft_token_ids)        # staged or being verified: their blocks may be held
+        if len(table) > blocks_needed(req.num_tokens + drafts, bs):
+            also = f" and {drafts} drafts" if drafts else ""
+            out.append(f"request {req.id} has {req.num_tokens} tokens{also} (at most "
+                       f"{blocks_needed(req.num_tokens + drafts, bs)} blocks) but its block table {table} "
+                       f"has {len(table)}")
     for rid in manager.request_ids():
         if rid not in requests:
             out.append(f"blocks {manager.block_table(rid)} are held for request {rid}, which the session does "

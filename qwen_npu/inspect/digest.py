@@ -2,7 +2,8 @@
 
 Parts (each hashed on its own, so a difference says where it is)::
 
-    requests     id, status, tokens, counts, preemptions, finish/stop reason, log-probabilities
+    requests     id, status, tokens, counts, preemptions, finish/stop reason, log-probabilities,
+                 staged drafts and speculation counts
     blocks       every block table, the free-queue order, each block's ref count and hash
     prefix       the prefix-cache map (hash -> block) and its statistics
     ledger       every slot's write history and the collisions
@@ -78,14 +79,16 @@ def state_digest(sess, kv: bool = False) -> StateDigest:
     reqs = tuple((r.id, r.status, tuple(r.prompt_token_ids), tuple(r.output_token_ids), r.num_computed_tokens,
                   r.num_cached_tokens, r.num_preemptions, r.finish_reason, r.stop_reason,
                   None if r.logprobs is None else tuple(repr(lp) for lp in r.logprobs),
-                  None if r.stop_strings is None else (r.stop_strings.text.text, r.stop_strings.cut))
+                  None if r.stop_strings is None else (r.stop_strings.text.text, r.stop_strings.cut),
+                  r.draft_token_ids, r.spec_stats)
                  for r in st.requests.values())
     tables = tuple((rid, tuple(m.block_table(rid)), m.num_computed_tokens(rid)) for rid in sorted(m.request_ids()))
     blocks = tuple((b.ref_count, b.block_hash, b.parent_hash, b.token_ids) for b in pool.blocks())
     ledger = st.ledger
     writes = tuple((slot, ledger.history(slot)) for slot in ledger.written_slots())
     history = (st.step_index, tuple((s.index, s.kind, tuple(s.request_ids), s.num_active,
-                                     None if s.token_ids is None else tuple(s.token_ids.tolist()))
+                                     None if s.token_ids is None else tuple(s.token_ids.tolist()),
+                                     tuple(sorted(s.accepted.items())))
                                     for s in sess.history))
     gens = (tuple((rid, _h(g.get_state().tolist())) for rid, g in sorted(st.generators.items())),
             _h(st.seed_state), st.engine.next_request_id)

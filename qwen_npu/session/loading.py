@@ -8,14 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import device as devices
-from . import memory
 from ..cache.kv_cache import bytes_per_block
 from ..config import ModelConfig, SessionConfig, device_outputs_default, sync_timings_default
 from ..kernels import get_kernels
 from ..model.loader import load_checkpoint, resolve_dtype
 from ..model.qwen3 import Qwen3Model
-from .options import SessionOptions
 from ..text.tokenizer import Tokenizer
+from . import memory
+from .options import SessionOptions
 
 CPU_KV_BUDGET = 4 << 30     # default KV cache budget on the CPU, in bytes
 
@@ -51,7 +51,8 @@ def load_session(path, options: SessionOptions) -> tuple[Qwen3Model, SessionConf
         block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=o.chunk_size,
         prefix_cache=o.prefix_cache, device_outputs=device_outputs, slot_check=o.slot_check,
         decode_padding=o.decode_padding, kernels=kernel_name, deterministic=o.deterministic,
-        sync_timings=sync_timings, mixed_steps=o.mixed_steps)
+        sync_timings=sync_timings, mixed_steps=o.mixed_steps, speculative=o.speculative,
+        num_speculative_tokens=0 if o.speculative is None else o.num_speculative_tokens or 3)
     return model, config, Tokenizer.load(path)
 
 

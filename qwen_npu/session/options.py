@@ -59,6 +59,10 @@ class SessionOptions:
                                               "None = QWEN_NPU_SYNC_TIMINGS, read now ('1' is on)")
     mixed_steps: bool = _option(False, "step()/generate() put decode rows and prefill chunks in one forward")
     revision: str | None = _option(None, "a branch, tag or commit of a Hugging Face repo id (not for a folder)")
+    speculative: str | None = _option(None, 'None (off) | "ngram": step()/generate() verify drafts proposed from '
+                                            "each request's own tokens, several tokens per decode row")
+    num_speculative_tokens: int | None = _option(None, "drafts per decode row; None = 3 with speculative, "
+                                                       "else not allowed")
 
     def __post_init__(self):
         self.validate()
@@ -96,6 +100,12 @@ class SessionOptions:
                 raise InvalidRequestError(f"{WHERE}: {e}") from None
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             self._bad("revision", "must be None or a branch, tag or commit name")
+        from ..engine.speculative import DRAFTERS
+        if self.speculative is not None and self.speculative not in DRAFTERS:
+            self._bad("speculative", f"must be None (off) or one of {', '.join(map(repr, DRAFTERS))}")
+        self._int("num_speculative_tokens", optional=True)
+        if self.num_speculative_tokens is not None and self.speculative is None:
+            self._bad("num_speculative_tokens", "needs speculative='ngram' (drafts need a drafter)")
 
     def _bad(self, name: str, why: str):
         raise InvalidRequestError(f"{WHERE}: {name}={getattr(self, name)!r} {why}")

@@ -10,6 +10,8 @@ import collections
 
 import torch
 
+from ..engine import speculative
+from ..engine.draft import StepDraft
 from ..engine.plan import StepResult
 from ..engine.request import DECODING, PREFILLING, WAITING, Completion, Request
 from ..engine.step import Commit, check_not_pending, commit, run_step, sample_step
@@ -46,14 +48,51 @@ class SessionSteps:
 
     @exclusive
     def decode_step(self) -> StepResult:
-        """One runtime-batch decode step over every decoding request."""
+        """One runtime-batch decode step over every decoding request. The drafts ``propose()``
+        staged are verified in it (kind "verify": each such row computes its last token and its
+        drafts); ``sample()`` then keeps the accepted ones and rolls the rest back."""
         check_not_pending(self._last_step(), "decode", self._requests)
         if not any(r.status == DECODING for r in self._requests.values()):
             raise InvalidRequestError(self._nothing_to_run("decode"))
 
         def plan(draft):
-            return "decode", [(r, 1) for r in self._scheduler.decode_rows(draft, list(self._requests.values()))]
+            return step_kind(self._decode_rows(draft, fresh=False))
         return self._transact(plan, "decode", sample=False)
+
+    def _decode_rows(self, draft, *, fresh: bool) -> list[tuple]:
+        """Every decode row, with drafts when the session speculates (``fresh``: proposed now)."""
+        rows = [(r, 1) for r in self._scheduler.decode_rows(draft, list(self._requests.values()))]
+        return self._drafts(draft, rows, self.config.chunk_size - len(rows), fresh=fresh)
+
+    def _drafts(self, draft, rows: list[tuple], budget: int, *, fresh: bool) -> list[tuple]:
+        if self.config.speculative is None:
+            return rows
+        return speculative.attach_drafts(draft, rows, budget, self.config, fresh=fresh)
+
+    def speculation_stats(self):
+        """The speculation counts of this session's requests together (``SpecStats``: drafts
+        verified and accepted, per draft position)."""
+        return speculative.speculation_stats(self._requests.values())
+
+    @exclusive
+    def propose(self) -> dict[int, tuple[int, ...]]:
+        """Stage the drafter's drafts on every decoding request (``speculative="ngram"``) and
+        return them by request id; the next ``decode_step()`` verifies them. A transaction:
+        drafts are request state (``draft_token_ids``), never computed tokens."""
+        if self.config.speculative is None:
+            raise InvalidRequestError("cannot propose: this session does not speculate; make it with "
+                                      "Session.from_pretrained(..., speculative='ngram')")
+        check_not_pending(self._last_step(), "propose", self._requests)
+        decoding = [r for r in self._requests.values() if r.status == DECODING]
+        if not decoding:
+            raise InvalidRequestError(self._nothing_to_run("propose"))
+        draft = StepDraft(self._engine.manager, self._requests)
+        out = {}
+        for r in decoding:
+            d = draft.of(r)
+            d.draft_token_ids = out[r.id] = speculative.propose(d, self.config)
+        commit(self._engine, Commit(draft=draft, session=self))
+        return out
 
     def _last_step(self) -> StepResult | None:
         return self.history[-1] if self.history else None
@@ -95,6 +134,9 @@ class SessionSteps:
         if step.logits.is_stale:
             raise StaleOutputError(f"cannot sample step {step.index}: its logits were overwritten by a step "
                                    f"of another branch sharing this cache")
+        if force is not None and step.plan.num_drafts:
+            raise InvalidRequestError(f"cannot force step {step.index}: it verifies drafts of requests "
+                                      f"{sorted(step.drafts)}; teacher-force a step without drafts")
         if force is not None:
             force = self._forced(step, force)
         return sample_step(self, step, force)
@@ -128,11 +170,14 @@ class SessionSteps:
         def plan(draft):
             cands = [r for r in self._requests.values() if r.status in (WAITING, PREFILLING)]
             if mixed:
-                return step_kind(self._scheduler.mixed_rows(draft, list(self._requests.values()), cands))
+                return step_kind(self._scheduler.mixed_rows(
+                    draft, list(self._requests.values()), cands,
+                    None if self.config.speculative is None else
+                    lambda rows, budget: self._drafts(draft, rows, budget, fresh=True)))
             rows = self._scheduler.prefill_rows(draft, list(self._requests.values()), cands)
             if rows:
                 return "prefill", rows
-            return "decode", [(r, 1) for r in self._scheduler.decode_rows(draft, list(self._requests.values()))]
+            return step_kind(self._decode_rows(draft, fresh=True))
         return self._transact(plan, "step", sample=True)
 
     @exclusive
@@ -193,8 +238,10 @@ class SessionSteps:
 
 def step_kind(rows: list[tuple]) -> tuple[str, list[tuple]]:
     """(kind, rows) for the rows of a mixed plan: "mixed" when decoding and prefilling rows share
-    the step, else the one kind they all have."""
+    the step, else the one kind they all have ("verify" for decode rows of which some carry drafts)."""
     decoding = sum(r.status == DECODING for r, _ in rows)
     kind = "decode" if decoding == len(rows) else "prefill" if decoding == 0 else "mixed"
+    if kind == "decode" and any(n > 1 for _, n in rows):
+        kind = "verify"
     return kind, rows
 

@@ -10,10 +10,11 @@ import pytest
 from qwen_npu import InvalidRequestError, Session, SessionOptions, UnknownOptionError
 
 # the keywords and defaults of Session.from_pretrained, as docs/api.md states them
-DOCUMENTED = dict(device="auto", dtype="auto", max_batch=16, block_size=None, num_blocks=None,
-                  max_model_len=None, chunk_size=512, prefix_cache=True, device_outputs=None,
-                  slot_check="raise", decode_padding="runtime", kernels="auto", kv_memory=None,
-                  deterministic=False, sync_timings=None, mixed_steps=False, revision=None)
+DOCUMENTED = {"device": "auto", "dtype": "auto", "max_batch": 16, "block_size": None, "num_blocks": None,
+                  "max_model_len": None, "chunk_size": 512, "prefix_cache": True, "device_outputs": None,
+                  "slot_check": "raise", "decode_padding": "runtime", "kernels": "auto", "kv_memory": None,
+                  "deterministic": False, "sync_timings": None, "mixed_steps": False, "revision": None,
+                  "speculative": None, "num_speculative_tokens": None}
 
 
 def test_from_pretrained_shows_every_option_with_its_default():
@@ -44,6 +45,17 @@ def test_options_are_frozen_and_checked_on_every_copy():
         opts.replace(max_batch=0)
     with pytest.raises(UnknownOptionError, match="'max_batches'; did you mean 'max_batch'"):
         opts.replace(max_batches=2)
+
+
+def test_speculative_options_are_checked_together():
+    assert SessionOptions(speculative="ngram").num_speculative_tokens is None
+    assert SessionOptions(speculative="ngram", num_speculative_tokens=5).num_speculative_tokens == 5
+    with pytest.raises(InvalidRequestError, match="speculative='eagle' must be None .off. or one of 'ngram'"):
+        SessionOptions(speculative="eagle")
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens=2 needs speculative='ngram'"):
+        SessionOptions(num_speculative_tokens=2)
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens=0 must be None"):
+        SessionOptions(speculative="ngram", num_speculative_tokens=0)
 
 
 def test_integral_numbers_become_ints():

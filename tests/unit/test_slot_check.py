@@ -241,13 +241,28 @@ def writes_from_flat(step, kind, request_ids, query_lens, positions, slot_mappin
 
 def test_step_writes_validation_and_from_flat():
     with pytest.raises(ValueError, match="kind"):
-        StepWrites(1, "verify", 0, 0, [], [], [], [])
+        StepWrites(1, "sideways", 0, 0, [], [], [], [])
     with pytest.raises(ValueError, match="row_slots"):
         StepWrites(1, "decode", 2, 2, [1, 2], [[0], [0]], [[0]], [[0], [1]])
     w = writes_from_flat(1, "prefill", torch.tensor([4, 5]), [2, 1], [0, 1, 0],
                              torch.tensor([16, 17, 32]), torch.tensor([[1], [2]]))
     assert w.row_slots == [[16, 17], [32]] and w.row_positions == [[0, 1], [0]] and w.num_active == 2
     assert check_step_writes(w, block_size=BS, num_blocks=4) == []
+
+
+def test_a_verify_step_names_the_drafts_each_decode_row_writes():
+    rows = {"row_request_ids": [1, 2], "row_positions": [[5, 6, 7], [3]], "row_slots": [[21, 22, 23], [67]],
+                "row_block_tables": [[1, 2], [4]], "row_kinds": ["decode", "decode"]}
+    w = StepWrites(3, "verify", 2, 2, row_drafts=[2, 0], **rows)
+    assert check_step_writes(w, block_size=BS, num_blocks=8) == []
+    with pytest.raises(ValueError, match="row 0 is a decode row .its last token and 1 drafts. but writes 3"):
+        StepWrites(3, "verify", 2, 2, row_drafts=[1, 0], **rows)
+    with pytest.raises(ValueError, match="row 0 is a decode row but writes 3"):
+        StepWrites(3, "verify", 2, 2, **rows)              # no drafts named: one token per decode row
+    with pytest.raises(ValueError, match="row_drafts has 1 rows"):
+        StepWrites(3, "verify", 2, 2, row_drafts=[2], **rows)
+    with pytest.raises(ValueError, match="row 1 has kind 'prefill'"):
+        StepWrites(3, "verify", 2, 2, row_drafts=[2, 0], **{**rows, "row_kinds": ["decode", "prefill"]})
 
 
 # ------------------------------------------------------------------ modes
