@@ -154,9 +154,10 @@ Measured on a 2-core AMD EPYC with AVX512-BF16 (no AMX), 2026-12-02, 0.6B shapes
   4 rows 44.2 / 34.3, 16 rows 72.6 / 50.1; the LM head 13.6 / 11.6 (1 row), 16.1 / 10.2 (4),
   27.7 / 19.0 (16). With one or two rows oneDNN takes a slower path than with four (1 row padded
   to 4: 41.5 ms against 47.1), so fewer rows are padded to four. Whole decode steps at context
-  128 (medians of four rounds): batch 16 84 ms against 108 ms on plain weights in the arena,
-  batch 4 48 against 61, batch 1 46-49 against 46 once the reordered weights are backed by huge
-  pages (`MADV_COLLAPSE`; without them batch 1 was 5-10% slower). The products are bit-identical
+  128, reordered weights backed by huge pages (`MADV_COLLAPSE`) against plain weights in the
+  arena, medians of five interleaved rounds on a busy host: batch 1 57.9 / 58.8 ms, batch 2
+  62.8 / 67.6, batch 4 62.8 / 75.3, batch 16 112.8 / 142.7 (without huge pages batch 1 was 5-10%
+  slower than on the arena; an earlier, quieter sitting gave batch 16 84 against 108 ms). The products are bit-identical
   to torch's bf16 product on the plain weights; the plain matrices are not kept (a tied LM head
   keeps the embedding and gets a reordered copy).
 - Prefill attention tiles: up to 64 query rows per tile instead of 16 (each K/V chunk packed once
