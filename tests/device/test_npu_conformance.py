@@ -11,7 +11,7 @@ mid-context, so they settle the causal-mask alignment and polarity under sparse_
 with a paged cache; the all-fresh cases (one with a token of slot -1) run FIA unpaged; decode
 runs FIA over the paged cache with block tables padded with block 0, and ATB paged attention
 with FIA hidden (where the stack has NNAL); write_kv covers skipped slots; the norm tests bound
-the rounding. The Session runs of the CPU stand-in tests (``tests/npu_wheel/session_kit.py``:
+the rounding. The Session runs of the CPU stand-in tests (``tests/npu_wheel/standin_session_kit.py``:
 all-fresh prefill, chunks, prefix cache, pure decode, mixed steps) run here against a CPU
 reference Session.
 """
@@ -31,7 +31,7 @@ from qwen_npu.kernels import reference as ref
 from qwen_npu.device.npu_runtime import installed_op_support
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "npu_wheel"))
-import session_kit  # the runs the CPU stand-in tests compare
+import standin_session_kit as session_kit  # the runs the CPU stand-in tests compare
 
 pytestmark = pytest.mark.device
 

@@ -6,7 +6,7 @@ Every op call is bound and checked against the wheel as it happens.
 
 The logits of every step are compared with a ``kernels="reference"`` Session on the same
 checkpoint at atol = rtol = 5e-2 (bfloat16 over two layers, as the card's parity test), with the
-same tokens forced into both so the two runs see the same inputs. The runs are session_kit.py's,
+same tokens forced into both so the two runs see the same inputs. The runs are standin_session_kit.py's,
 which the card's conformance suite repeats on an npu.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import warnings
 import pytest
 from numeric_kit import BehavingStandIn
 from qwen_npu.kernels import npu as npu_k
-from session_kit import (
+from standin_session_kit import (
     assert_same_forced_runs,
     assert_same_mixed_runs,
     forced_run,
