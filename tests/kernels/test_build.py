@@ -206,7 +206,7 @@ def test_lock_left_by_a_killed_build_is_removed_with_a_message(real_extension):
 
 
 @pytest.mark.parametrize("flags, probes, mkldnn, want", [
-    ({"avx2", "avx512_bf16"}, {}, True, "native"),           # cpu set, many-row products to torch
+    ({"avx2", "avx512_bf16"}, {}, True, "native"),           # cpu set, products through oneDNN
     ({"avx2", "amx_bf16"}, {}, True, "native"),
     ({"avx2"}, {"_is_avx512_bf16_supported": True}, True, "native"),
     ({"avx2", "avx512_bf16"}, {}, False, "generic"),         # native bf16 that torch cannot use
@@ -224,7 +224,7 @@ def test_auto_choice_follows_the_cpus_bf16_support(fresh_state, monkeypatch, fla
     assert chosen == "cpu"                                   # wherever the cpu set can be built
     assert devices.resolve_kernels("auto", "cpu") == "cpu"
     if want == "native":
-        assert "native bf16" in why and "torch's bf16 product" in why, why
+        assert "native bf16" in why and "oneDNN on weights reordered" in why, why
     else:
         assert "generic bf16 path" in why, why
     monkeypatch.setattr(cpu, "availability", lambda: (False, "no C++ compiler: 'c++' is not on PATH"))
