@@ -17,17 +17,31 @@ copy never reads a buffer the host is rewriting::
     step 8 (set 1) fill -> ...                      -> commit: set 1 current
     step 9 (set 0) waits for event 0 (long done), fill -> ...
 
+A set is written inside ``writing()``, which waits for it (at most ``WAIT_S`` seconds, then
+raises) and records its event on every way out, so a copy queued before an error is waited for
+too. A device whose backend has no events does not pin: without an event nothing could say when
+a buffer is free again.
+
 ``pins(device)`` and ``pinned_empty`` are the one place that decides and allocates; the copy
-tests replace them to run a CPU Session as if its device were an accelerator.
+tests replace them to run a CPU Session as if its device were an accelerator. On the CPU the
+dispatch buffers hold no ``PinnedCopies`` at all, and a step never enters this file.
 """
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
+
+from ..errors import DeviceError
+
+WAIT_S = 60.0          # the longest a step waits for its pinned set's previous copies
 
 
 def pins(device: torch.device) -> bool:
-    """Do host-to-device copies to ``device`` go through pinned buffers? (Not on the CPU.)"""
-    return device.type != "cpu"
+    """Do host-to-device copies to ``device`` go through pinned buffers? (Not on the CPU, nor on
+    a backend without events.)"""
+    return device.type != "cpu" and _event(device) is not None
 
 
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -62,18 +76,28 @@ class PinnedCopies:
     def spare(self) -> int:
         return 1 - self.current
 
-    def begin(self) -> None:
-        """Before a step writes the spare set: wait until its previous copies have left it."""
-        event = self._events[self.spare]
-        if event is not None:
-            event.synchronize()
+    @contextlib.contextmanager
+    def writing(self):
+        """Write the spare set: first wait until its previous copies have left it; on every way
+        out, record that the copies queued inside have been queued."""
+        self._wait(self._events[self.spare])
+        try:
+            yield self
+        finally:
+            if self.enabled:
+                event = self._events[self.spare] = self._events[self.spare] or _event(self.device)
+                if event is not None:
+                    event.record()
 
-    def end(self) -> None:
-        """After a step queued its copies from the spare set."""
-        if self.enabled:
-            event = self._events[self.spare] = self._events[self.spare] or _event(self.device)
-            if event is not None:
-                event.record()
+    def _wait(self, event) -> None:
+        if event is None or event.query():
+            return
+        deadline = time.monotonic() + WAIT_S
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise DeviceError(f"{self.device}: copies queued {WAIT_S:.0f} s ago from a pinned "
+                                         f"buffer have not left it; the device is not making progress")
+            time.sleep(1e-4)
 
     def publish(self) -> None:
         """The commit of the step that wrote the spare set: it becomes current."""

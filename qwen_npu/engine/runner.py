@@ -31,6 +31,7 @@ crosses the host/device boundary is added to the step's ``transfers``::
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -42,6 +43,7 @@ from ..device import synchronize
 from ..errors import StaleOutputError
 from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook, Qwen3Model
+from . import pinned
 from .pinned import PinnedCopies
 from .plan import StepPlan, buffer_set
 
@@ -144,11 +146,13 @@ class DispatchBuffers:
             self.tensors[pre + "block_tables"] = z(max_batch, max_blocks, dtype=i32)
             self.tensors[pre + "query_start_loc"] = z(max_batch + 1, dtype=i32)
             self.tensors[pre + "logits_index"] = z(self.max_logits[kind], dtype=i64)
-        # pinned mirrors of each set's buffers (on an accelerator; pinned.py), and the sampler's
-        self.pinned = {kind: PinnedCopies(device, {n: (t.numel(), t.dtype) for n, t in self.tensors.items()
-                                                   if n.startswith("prefill.") == (kind == "prefill")})
-                        for kind in ("decode", "prefill")}
-        self.pinned["sample"] = PinnedCopies(device)
+        # pinned mirrors of each set's buffers, and the sampler's (on an accelerator: pinned.py)
+        self.pinned: dict[str, PinnedCopies] = {}
+        if pinned.pins(device):
+            self.pinned = {kind: PinnedCopies(device, {n: (t.numel(), t.dtype) for n, t in self.tensors.items()
+                                                       if n.startswith("prefill.") == (kind == "prefill")})
+                           for kind in ("decode", "prefill")}
+            self.pinned["sample"] = PinnedCopies(device)
         self._outputs: dict[tuple, OutputBuffer] = {}
         self.current = {"decode": 0, "prefill": 0}   # the pair holding the last committed step's outputs
         for kind in ("decode", "prefill"):
@@ -174,12 +178,27 @@ class DispatchBuffers:
         """The pair a new step of ``kind`` writes: not the one the last committed step holds."""
         return 1 - self.current[kind]
 
+    def staging(self, kind: str) -> PinnedCopies | None:
+        """The pinned set that copies of ``kind`` ("decode", "prefill", "sample") go through; None
+        on the CPU, where data is used where it is."""
+        return self.pinned.get(kind)
+
+    def writing(self, kind: str):
+        """A context for a step's copies of ``kind``: they write the spare pinned set (see
+        ``PinnedCopies.writing``); nothing on the CPU."""
+        staging = self.pinned.get(kind)
+        return staging.writing() if staging is not None else contextlib.nullcontext()
+
     def publish(self, kind: str) -> None:
         """Commit a step of ``kind``: its pair (and its pinned set) becomes current; older handles
-        of ``kind`` go stale."""
+        of ``kind`` go stale. ``"sample"`` publishes the sampler's pinned set only."""
+        staging = self.pinned.get(kind)
+        if staging is not None:
+            staging.publish()
+        if kind == "sample":
+            return
         pair = 1 - self.current[kind]
         self.current[kind] = pair
-        self.pinned[kind].publish()
         for key, buf in self._outputs.items():
             if key[0] == kind:
                 buf.generation += 1
@@ -192,13 +211,14 @@ class DispatchBuffers:
         """Copy ``host`` into the leading rows of buffer ``name`` (through its pinned buffer
         on an accelerator, without blocking); returns the bytes moved h2d."""
         buf = self.tensors[name]
-        pinned = self.pinned["prefill" if name.startswith("prefill.") else "decode"]
-        if host.dim() == 2:
-            pinned.copy_into(buf[:host.shape[0], :host.shape[1]], host, name)
-            if host.shape[1] < buf.shape[1]:
-                buf[:host.shape[0], host.shape[1]:].fill_(-1)
+        staging = self.pinned.get("prefill" if name.startswith("prefill.") else "decode")
+        dst = buf[:host.shape[0], :host.shape[1]] if host.dim() == 2 else buf[:host.shape[0]]
+        if staging is None:
+            dst.copy_(host)
         else:
-            pinned.copy_into(buf[:host.shape[0]], host, name)
+            staging.copy_into(dst, host, name)
+        if host.dim() == 2 and host.shape[1] < buf.shape[1]:
+            buf[:host.shape[0], host.shape[1]:].fill_(-1)
         return host.nbytes
 
     def view(self, name: str, n: int) -> torch.Tensor:
@@ -248,16 +268,14 @@ class ModelRunner:
         qsl = [0]
         for n in plan.query_lens:
             qsl.append(qsl[-1] + n)
-        pinned = b.pinned[buffer_set(plan.kind)]
-        pinned.begin()
-        h2d = b.fill(pre + "input_ids", torch.tensor(plan.input_ids, dtype=torch.int64))
-        h2d += b.fill(pre + "positions", torch.tensor(plan.positions, dtype=torch.int64))
-        h2d += b.fill(pre + "slot_mapping", torch.tensor(plan.slot_mapping, dtype=torch.int64))
-        h2d += b.fill(pre + "seq_lens", torch.tensor(plan.seq_lens, dtype=torch.int32))
-        h2d += b.fill(pre + "block_tables", tables)
-        h2d += b.fill(pre + "query_start_loc", torch.tensor(qsl, dtype=torch.int32))
-        h2d += b.fill(pre + "logits_index", torch.tensor(plan.logits_index, dtype=torch.int64))
-        pinned.end()
+        with b.writing(buffer_set(plan.kind)):
+            h2d = b.fill(pre + "input_ids", torch.tensor(plan.input_ids, dtype=torch.int64))
+            h2d += b.fill(pre + "positions", torch.tensor(plan.positions, dtype=torch.int64))
+            h2d += b.fill(pre + "slot_mapping", torch.tensor(plan.slot_mapping, dtype=torch.int64))
+            h2d += b.fill(pre + "seq_lens", torch.tensor(plan.seq_lens, dtype=torch.int32))
+            h2d += b.fill(pre + "block_tables", tables)
+            h2d += b.fill(pre + "query_start_loc", torch.tensor(qsl, dtype=torch.int32))
+            h2d += b.fill(pre + "logits_index", torch.tensor(plan.logits_index, dtype=torch.int64))
         transfers["h2d"] += h2d
         return AttentionMetadata(
             positions=b.view(pre + "positions", tokens),

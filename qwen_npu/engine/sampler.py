@@ -37,6 +37,12 @@ def copy_generator(g: torch.Generator) -> torch.Generator:
     return copy
 
 
+def to_device(host: torch.Tensor, device: torch.device, pinned, name: str) -> torch.Tensor:
+    """``host`` on ``device``: through the spare set of ``pinned`` (a ``PinnedCopies``) without
+    blocking on an accelerator, a plain ``.to`` where there is none (the CPU)."""
+    return pinned.put(host, name) if pinned is not None else host.to(device)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            greedy_ids: torch.Tensor | None = None, pinned=None) -> tuple[torch.Tensor, int]:
     """Pick one token per row of ``logits`` [rows, vocab] -> (token ids [rows] int64 on device, h2d bytes).
@@ -50,7 +56,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     greedy = [p.temperature == 0.0 for p in params]                       # temperature 0: argmax
     if all(greedy):
         return greedy_ids, 0
-    put = pinned.put if pinned is not None else (lambda t, name: t.to(logits.device))
+    def put(t, name):
+        return to_device(t, logits.device, pinned, name)
     vocab = logits.shape[1]
     keys = torch.cat([torch.zeros(1, dtype=torch.int64) if g else torch.randint(2 ** 62, (1,), generator=gen)
                       for g, gen in zip(greedy, generators)])            # one host draw per sampled row
@@ -164,7 +171,7 @@ def mask_early_stops(logits: torch.Tensor, reqs, pinned=None) -> tuple[torch.Ten
     if not rows:
         return logits, 0
     index = torch.tensor([rows, cols], dtype=torch.int64)               # [2, masked entries]
-    dev = pinned.put(index, "sample.stops") if pinned is not None else index.to(logits.device)
+    dev = to_device(index, logits.device, pinned, "sample.stops")
     out = logits.clone()
     out[dev[0], dev[1]] = float("-inf")
     return out, index.nbytes

@@ -89,7 +89,7 @@ def commit(engine, c: Commit, *, undo: bool = False) -> None:
         step.timings["sample"] = s.seconds
         if s.accepted is not None:
             step.accepted = s.accepted
-        engine.buffers.pinned["sample"].publish()
+        engine.buffers.publish("sample")
     sess = c.session
     if c.requests:
         sess._requests.update(c.requests)
@@ -129,10 +129,8 @@ def run_step(sess, schedule, action: str, *, sample: bool, force: dict | None = 
     problems = check(engine, plan, sess._visible_requests(), draft, timings)         # 3 check
     fault_point("validated")
     step_hook = hooks.begin_step(plan) if hooks is not None else None
-    pinned = engine.buffers.pinned[buffer_set(plan.kind)]
-    pinned.begin()                               # the guard's block index goes through it too
     guard = KVGuard(engine.kv_cache, engine.manager.committed_blocks(written_blocks(plan, cfg.block_size)),
-                    put=lambda index: pinned.put(index, "guard"))
+                    engine.buffers, buffer_set(plan.kind))
     engine.calls.stepping = plan.index
     try:
         with torch.no_grad(), held_interrupts().interruptible():       # entered in this order, left whole
@@ -145,7 +143,7 @@ def run_step(sess, schedule, action: str, *, sample: bool, force: dict | None = 
         sampled = None
         if sample and step.logits is not None:
             sampled = sample_rows(step, draft, sess._generators, force, engine.model.kernels,   # 6 sample
-                                  engine.buffers.pinned["sample"])
+                                  engine.buffers)
         fault_point("commit")
         c = Commit(draft=draft, ledger=writes, outputs=buffer_set(plan.kind), step=step, sampled=sampled,
                    session=sess, hooks_step=plan.index)
@@ -163,8 +161,7 @@ def sample_step(sess, step: StepResult, force: dict | None = None) -> torch.Tens
     """Sample the last step (6-8 of ``run_step``); returns the token ids on the device."""
     engine = sess._engine
     draft = StepDraft(engine.manager, sess._requests)
-    sampled = sample_rows(step, draft, sess._generators, force, engine.model.kernels,
-                          engine.buffers.pinned["sample"])
+    sampled = sample_rows(step, draft, sess._generators, force, engine.model.kernels, engine.buffers)
     c = Commit(draft=draft, step=step, sampled=sampled, session=sess)
     commit(engine, c)
     after(engine, c)
@@ -235,37 +232,38 @@ def result(engine, plan, draft, logits_buf, hidden_buf, problems, timings, trans
 
 
 def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dict | None, kernels,
-                pinned) -> Sampled:
+                buffers) -> Sampled:
     """Sample every logits row of ``step`` on the device and stage the tokens on ``draft``.
 
     The one host sync: a single int64 per row, the token id with the row's health code in its
     upper 32 bits (``2 + k`` int64 when a row records log-probabilities, see ``logprobs.py``).
-    Random generators advance on copies that the commit puts in place. ``pinned``: the
-    sampler's ``PinnedCopies`` (its spare set; the commit publishes it). A step that verifies
-    drafts is sampled by ``verify.sample_verified`` (acceptance and rollback on the draft)."""
+    Random generators advance on copies that the commit puts in place. The per-row parameters
+    go through ``buffers``' "sample" staging (its spare set on an accelerator; the commit
+    publishes it). A step that verifies drafts is sampled by ``verify.sample_verified``
+    (acceptance and rollback on the draft)."""
     if step.plan.num_drafts:
-        s = verify.sample_verified(step, draft, generators, pinned)
+        s = verify.sample_verified(step, draft, generators, buffers)
         s["health"] = [(rid, HEALTH[c]) for rid, c in s["health"]]
         return Sampled(**s)
     t0 = time.perf_counter()
     reqs = [draft.of(r) for r in (draft.requests[i] for i in step.logits_request_ids)]
     logits = step.logits.view_unchecked()                                           # [rows, vocab]
-    pinned.begin()
-    allowed, h2d_mask = sampler.mask_early_stops(logits, reqs, pinned)
-    greedy_ids = codes = None
-    fused = getattr(kernels, "greedy_health", None)      # a kernel set's argmax and health in one read
-    if fused is not None and allowed is logits:
-        greedy_ids, codes = fused(logits) or (None, None)
-    gens = [draft.generator(r.id, generators) for r in reqs]
-    ids, h2d = sampler.sample(allowed, [r.sampling for r in reqs], gens, greedy_ids, pinned)
-    fault_point("sampled")
-    h2d += h2d_mask
-    if force:
-        forced = torch.tensor([force.get(r.id, -1) for r in reqs], dtype=torch.int64)
-        h2d += forced.nbytes
-        forced = pinned.put(forced, "sample.forced")
-        ids = torch.where(forced >= 0, forced, ids)
-    pinned.end()
+    pinned = buffers.staging("sample")
+    with buffers.writing("sample"):
+        allowed, h2d_mask = sampler.mask_early_stops(logits, reqs, pinned)
+        greedy_ids = codes = None
+        fused = getattr(kernels, "greedy_health", None)      # a kernel set's argmax and health in one read
+        if fused is not None and allowed is logits:
+            greedy_ids, codes = fused(logits) or (None, None)
+        gens = [draft.generator(r.id, generators) for r in reqs]
+        ids, h2d = sampler.sample(allowed, [r.sampling for r in reqs], gens, greedy_ids, pinned)
+        fault_point("sampled")
+        h2d += h2d_mask
+        if force:
+            forced = torch.tensor([force.get(r.id, -1) for r in reqs], dtype=torch.int64)
+            h2d += forced.nbytes
+            forced = sampler.to_device(forced, ids.device, pinned, "sample.forced")
+            ids = torch.where(forced >= 0, forced, ids)
     packed, unpack = sampler.pack(ids, logits, [r.sampling.logprobs for r in reqs], codes)
     host = packed.cpu()
     fault_point("d2h")

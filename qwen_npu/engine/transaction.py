@@ -212,15 +212,20 @@ class KVGuard:
     their owners, so their K/V must be as it was; ``restore`` copies it back.
     """
 
-    def __init__(self, kv_cache, blocks: Sequence[int], put: Callable | None = None):
-        """``put(host tensor) -> device tensor``: how the block index reaches the device (the step's
-        pinned buffers, ``pinned.py``; a plain ``.to`` without it)."""
+    def __init__(self, kv_cache, blocks: Sequence[int], buffers=None, kind: str = "decode"):
+        """``buffers``: the dispatch buffers whose ``kind`` staging the block index reaches the
+        device through (pinned on an accelerator, ``pinned.py``; a plain ``.to`` without them)."""
         self.kv_cache = kv_cache
         self.blocks = list(blocks)
         self.saved = None
         if self.blocks:
             index = torch.tensor(self.blocks, dtype=torch.int64)
-            index = put(index) if put is not None else index.to(kv_cache.keys[0].device)
+            staging = buffers.staging(kind) if buffers is not None else None
+            if staging is None:
+                index = index.to(kv_cache.keys[0].device)
+            else:
+                with staging.writing():
+                    index = staging.put(index, "guard")
             self.index = index
             self.saved = [t.index_select(0, index) for t in kv_cache.keys + kv_cache.values]
 

@@ -58,8 +58,8 @@ def sample_with_drafts(logits: torch.Tensor, params: list, generators: list, tes
     floats = torch.tensor([[params[j].temperature, params[j].top_p if params[j].top_p < 1.0 else float("inf")]
                            for j in rows], dtype=torch.float32)                                  # [n, 2]
     h2d += ints.nbytes + floats.nbytes
-    put = pinned.put if pinned is not None else (lambda t, name: t.to(logits.device))
-    ints, floats = put(ints, "verify.ints"), put(floats, "verify.floats")
+    ints = sampler.to_device(ints, logits.device, pinned, "verify.ints")
+    floats = sampler.to_device(floats, logits.device, pinned, "verify.floats")
     x = logits.index_select(0, ints[:, 0]).float() / floats[:, :1]                   # [n, vocab]
     if any(params[j].top_k > 0 or params[j].top_p < 1.0 for j in rows):
         x = sampler.mask_top_k_top_p(x, ints[:, 2], floats[:, 1])
@@ -72,7 +72,7 @@ def sample_with_drafts(logits: torch.Tensor, params: list, generators: list, tes
     return ids.index_copy(0, ints[:, 0], torch.where(accept, d[:, 0], other)), h2d
 
 
-def sample_verified(step, draft, generators: dict, pinned) -> dict:
+def sample_verified(step, draft, generators: dict, buffers) -> dict:
     """Sample every logits row of a step that carries drafts, stage the kept tokens on ``draft``
     and roll every verification row back to its kept prefix. Returns the fields of
     ``step.Sampled`` (``health`` as (request id, code); ``accepted``: request id -> drafts kept)."""
@@ -80,12 +80,12 @@ def sample_verified(step, draft, generators: dict, pinned) -> dict:
     plan = step.plan
     reqs = [draft.of(draft.requests[i]) for i in step.logits_request_ids]
     logits = step.logits.view_unchecked()                                          # [rows, vocab]
-    pinned.begin()
-    allowed, h2d_mask = sampler.mask_early_stops(logits, reqs, pinned)
-    gens = [draft.generator(r.id, generators) for r in reqs]
-    ids, h2d = sample_with_drafts(allowed, [r.sampling for r in reqs], gens, tested_drafts(plan), pinned)
-    fault_point("sampled")
-    pinned.end()
+    pinned = buffers.staging("sample")
+    with buffers.writing("sample"):
+        allowed, h2d_mask = sampler.mask_early_stops(logits, reqs, pinned)
+        gens = [draft.generator(r.id, generators) for r in reqs]
+        ids, h2d = sample_with_drafts(allowed, [r.sampling for r in reqs], gens, tested_drafts(plan), pinned)
+        fault_point("sampled")
     packed, unpack = sampler.pack(ids, logits, [r.sampling.logprobs for r in reqs])
     host = packed.cpu()
     fault_point("d2h")

@@ -1,4 +1,4 @@
-"""Every host-to-device copy of a step goes through a pinned pinned buffer and does not block.
+"""Every host-to-device copy of a step goes through a pinned buffer and does not block.
 
 No accelerator is needed: ``pinned.pins`` and ``pinned.pinned_empty`` (the seam of
 ``qwen_npu/engine/pinned.py``) are replaced so that a CPU Session pins its copies as it would on
@@ -104,7 +104,8 @@ def test_committed_steps_use_the_two_pinned_sets_in_turn(tiny_ckpt_small_vocab, 
 
 def test_on_the_cpu_nothing_is_pinned(tiny_ckpt_small_vocab):
     sess = open_session(tiny_ckpt_small_vocab, max_batch=2)
-    assert not any(s.enabled for s in sess._engine.buffers.pinned.values())
+    assert sess._engine.buffers.pinned == {}
+    assert all(sess._engine.buffers.staging(k) is None for k in ("decode", "prefill", "sample"))
     sess.add_request(prompts((6,))[0], SamplingParams(max_new_tokens=3, temperature=1.0, seed=1, ignore_eos=True))
     moves = run_recorded(sess, [], [sess.step] * 3)
     assert moves and not any(m[2] for m in moves), "a CPU session made a non-blocking copy"
@@ -142,3 +143,56 @@ def test_a_step_that_fails_leaves_the_committed_pinned_set_as_it_was(tiny_ckpt_s
             assert torch.equal(after[kind][1][name], b), f"{kind} pinned {name} changed by a failed step"
     sess.step()                                            # and the next step runs normally
     assert sess.history[-1].kind == "decode"
+
+
+class SlowEvent:
+    """An event whose copies never leave the buffer (a device that makes no progress)."""
+
+    def record(self):
+        pass
+
+    def query(self):
+        return False
+
+
+def test_a_step_waits_for_its_pinned_set_a_bounded_time(tiny_ckpt_small_vocab, as_accelerator, monkeypatch):
+    """A device that never finishes the copies out of a pinned set: the next step that writes
+    that set raises a DeviceError naming the device after ``WAIT_S``, and the session is whole."""
+    from qwen_npu.errors import DeviceError
+    sess = open_session(tiny_ckpt_small_vocab, max_batch=2)
+    sess.add_request(prompts((6,))[0], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    sess.step()
+    decode = sess._engine.buffers.pinned["decode"]
+    monkeypatch.setattr(pinned, "WAIT_S", 0.05)
+    decode._events = [SlowEvent(), SlowEvent()]
+    digest = sess.state_digest()
+    with pytest.raises(DeviceError, match="have not left it"):
+        sess.step()
+    assert sess.state_digest() == digest and sess.check().ok
+    decode._events = [None, None]
+    sess.step()
+    assert sess.history[-1].kind == "decode"
+
+
+def test_the_event_is_recorded_when_a_write_fails_half_way(tiny_ckpt_small_vocab, monkeypatch):
+    """Copies queued before an error are waited for by the next writer: ``writing`` records the
+    set's event on every way out."""
+    recorded = []
+
+    class Event:
+        def record(self):
+            recorded.append(self)
+
+        def query(self):
+            return True
+    monkeypatch.setattr(pinned, "_event", lambda device: Event())
+    copies = pinned.PinnedCopies(torch.device("meta"))
+    copies.enabled = True
+    with pytest.raises(RuntimeError, match="half way"), copies.writing():
+        raise RuntimeError("half way")
+    assert len(recorded) == 1 and copies._events[copies.spare] is recorded[0]
+
+
+def test_a_backend_without_events_does_not_pin(monkeypatch):
+    monkeypatch.setattr(pinned, "_event", lambda device: None)
+    assert not pinned.pins(torch.device("meta"))
