@@ -1,5 +1,6 @@
 """The engine: what the branches of one Session share — model runner, KV cache, cache manager,
-slot ledger, dispatch buffers, hooks, the call gate. It holds state; ``step.py`` runs steps on it.
+slot ledger, dispatch buffers, hooks, the Session's call gate. It holds state; ``step.py`` runs
+steps on it.
 """
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ from ..cache.manager import KVCacheManager
 from ..config import SessionConfig
 from ..model.qwen3 import Qwen3Model
 from .deterministic import TokenByTokenRunner
-from .draft import StepDraft
+from .transaction import StepDraft
 from .faults import FaultEmulator
 from .hooks import StepHooks
 from .request import ABORTED, FINISHED, Request
 from .runner import DispatchBuffers, ModelRunner
 from .step import Commit, StreamHealthWarning, check_not_pending, commit  # noqa: F401 - re-exported
-from .transaction import CallGate
 
 
 class Engine:
@@ -40,7 +40,8 @@ class Engine:
         # None, or the step hooks of the open captures and interventions (engine/hooks.py)
         self.hook: StepHooks | None = None
         self.branches = None       # the Sessions sharing this engine after a fork (session_fork.py)
-        self.calls = CallGate()     # one state-changing call at a time, across threads (transaction.py)
+        self.calls = None          # the Session's CallGate (session/steps.py), set by the Session that
+        #                            made this engine and shared by its forks
         self.next_request_id = 0   # request ids are unique per engine, so forked Sessions never clash
         self.faults: FaultEmulator | None = None   # EMULATED hardware faults; off unless asked for
         self.dropped: list[dict] = []   # request maps of branches garbage-collected with live requests

@@ -30,7 +30,7 @@ and newcomers wait until a running request finishes.
 """
 from __future__ import annotations
 
-from .draft import RUNNING, StepDraft, preempt
+from .transaction import RUNNING, StepDraft, preempt
 from .request import DECODING, PREFILLING, WAITING
 
 

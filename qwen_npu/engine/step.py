@@ -27,7 +27,7 @@ from ..cache.ledger import LedgerWrites
 from ..cache.slot_check import check_step_writes, raise_or_warn
 from ..errors import InvalidRequestError, warn
 from . import sampler, verify
-from .draft import DONE, StepDraft
+from .transaction import DONE, StepDraft
 from .plan import StepPlan, StepResult, buffer_set, build_plan
 from .runner import DeviceLogits
 from .transaction import KVGuard, fault_point, held_interrupts

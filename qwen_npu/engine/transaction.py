@@ -1,34 +1,42 @@
-"""Every state-changing Session call is a transaction: one call at a time, Ctrl-C only where it
-is safe, and the K/V that committed state points to given back if the call fails.
+"""Every state-changing Session call is a transaction: its changes are staged on a draft, Ctrl-C
+lands only where it is safe, and the K/V that committed state points to is given back if the
+call fails.
 
-    call ──> gate: one thread at a time (another is refused at once: SessionBusyError)
+    call ──> gate: one thread at a time (``session/steps.py``: ``exclusive``, ``CallGate``)
              Ctrl-C held back for the whole call ──────────────────────────────────┐
-               plan, check (pure)                                                  │
+               plan, check on a StepDraft (live state untouched)                   │
                forward ── the one place Ctrl-C lands at once (``interruptible``) ──┤
-               book, sample (on copies)          any way out: KVGuard.restore()    │
-               commit (plain assignments)                                          │
+               book, sample (on the draft)       any way out: KVGuard.restore()    │
+               commit: StepDraft.apply (plain assignments)                         │
              held-back Ctrl-C raised once the call is over, the state whole <──────┘
 
 A Ctrl-C that arrives while the call holds it back is kept and raised when the call ends (the
 state is then "as after"), or at once when the call next enters an ``interruptible`` region
 (the forward), inside the region whose failure restores the K/V (the state is then "as
 before"). Raising there closes the region first, so the code that cleans up after it runs with
-Ctrl-C held back again. A process that ignores SIGINT keeps ignoring it.
+Ctrl-C held back again. A process that ignores SIGINT keeps ignoring it. Only the main thread
+receives signals.
 
-Only the main thread receives signals: elsewhere the gate still serialises calls and nothing
-else changes. ``fault_point(name)`` marks places a test may raise at (``inject_faults``).
+The draft: ``RequestDraft`` stands in for a ``Request`` while a step is planned and booked. It
+holds the request's fields that never change (id, prompt, sampling) and its own copy of every
+field a step changes (status, token counts, output tokens, log-probabilities, stop state).
+``StepDraft`` holds the drafts, a clone of the cache manager and copies of the random generators
+a step draws from. Nothing live changes until ``apply``, which only assigns: it cannot fail half
+way.
+
+``fault_point(name)`` marks places a test may raise at (``inject_faults``).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import signal
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
-from ..errors import InvalidRequestError, SessionBusyError, warn
+from . import sampler
+from .request import ABORTED, DECODING, FINISHED, FIXED_FIELDS, PREFILLING, STEP_FIELDS, WAITING, Request
 
 _injector: Callable[[str], None] | None = None
 
@@ -114,94 +122,140 @@ def held_interrupts():
     return handler if isinstance(handler, HeldInterrupts) else NO_SIGNALS
 
 
-class CallGate:
-    """A re-entrant, never-waiting lock with the name of the outermost call that holds it; it
-    also knows whether that call is inside a step (``stepping``)."""
+class RequestDraft:
+    """A request as a step in progress sees it (see the module docstring). Its fields are exactly
+    ``Request.STEP_FIELDS`` (staged here, written back by ``StepDraft.apply``) and
+    ``Request.FIXED_FIELDS`` (the request's, which no step changes); any other name is an
+    AttributeError, so a field a draft does not know cannot be read silently from the live
+    request."""
 
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._depth = 0
-        self.holder: tuple[str, str] | None = None     # (thread name, call) of the outermost call
-        self.stepping: int | None = None               # the index of the step running, if any
+    __slots__ = ("request", "_tokens_copied") + FIXED_FIELDS + STEP_FIELDS
 
-    def enter(self, call: str, *, changes_state: bool) -> None:
-        if not self._lock.acquire(blocking=False):
-            thread, running = self.holder or ("another thread", "a call")
-            raise SessionBusyError(
-                f"cannot run {call}(): {running}() of this session (or a fork sharing its KV cache) is "
-                f"running in thread {thread!r}; wait for it to finish (nothing was changed)")
-        if changes_state and self.stepping is not None:
-            self._lock.release()
-            raise InvalidRequestError(
-                f"cannot run {call}() inside step {self.stepping}: it was called from code the step runs "
-                f"(an intervention or capture callback), and the step's commit would undo it; call it "
-                f"after the step returns (nothing was changed)")
-        if self._depth == 0:
-            self.holder = (threading.current_thread().name, call)
-        self._depth += 1
-
-    def leave(self) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self.holder = None
-        self._lock.release()
+    def __init__(self, req: Request):
+        self.request = req
+        for name in FIXED_FIELDS + STEP_FIELDS:
+            setattr(self, name, getattr(req, name))     # the lists are copied before the first append
+        self._tokens_copied = False
 
     @property
-    def free(self) -> bool:
-        return self._depth == 0
+    def all_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in DONE
+
+    def append_token(self, token: int, logprob=None) -> None:
+        """Stage one sampled token (with its log-probability, when the request records them)."""
+        if not self._tokens_copied:
+            self.output_token_ids = list(self.output_token_ids)
+            if self.logprobs is not None:
+                self.logprobs = list(self.logprobs)
+            if self.stop_strings is not None:
+                self.stop_strings = self.stop_strings.copy()
+            self._tokens_copied = True
+        self.output_token_ids.append(token)
+        if logprob is not None and self.logprobs is not None:
+            self.logprobs.append(logprob)
+
+    def __repr__(self) -> str:
+        return f"RequestDraft({self.request.id}, {self.status}, computed {self.num_computed_tokens})"
 
 
-def exclusive(method=None, *, changes_state: bool = True, returns_handle: bool = False):
-    """Run a Session method as a transaction: holding its engine's gate, with Ctrl-C held back
-    (see the module docstring). ``changes_state=False``: a read that must not overlap a step of
-    another thread but may run inside a step of its own (a check from a callback).
-    ``returns_handle``: the call hands back a new object the caller must get (a fork), so a
-    Ctrl-C that lands after its commit becomes a warning instead of losing the object."""
-    if method is None:
-        return functools.partial(exclusive, changes_state=changes_state, returns_handle=returns_handle)
-    name = method.__name__
+class StepDraft:
+    """The staged changes of one step: request drafts, a manager clone, generator copies."""
 
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        gate = None if getattr(self, "_closed", False) else getattr(self._engine, "calls", None)
-        if gate is None:                                    # a closed session: the call says so
-            return method(self, *args, **kwargs)
-        held = _hold()
-        try:
-            gate.enter(name, changes_state=changes_state)
-            try:
-                if self._engine.dropped:              # forks garbage-collected with live requests
-                    self._engine.collect_dropped()
-                return method(self, *args, **kwargs)
-            finally:
-                gate.leave()
-        finally:
-            _release(held, name if returns_handle else None)
-    return call
+    def __init__(self, manager, requests: dict[int, Request], hooks=None):
+        self.live_manager = manager
+        self.hooks = hooks               # the engine's step hooks, which may cap prefix-cache reuse
+        self._manager = None             # cloned on first use: a step that touches no block copies nothing
+        self.requests = requests
+        self.drafts: dict[int, RequestDraft] = {}
+        self.generators: dict[int, torch.Generator] = {}     # copies that replace the live ones
+
+    @property
+    def manager(self):
+        """The step's clone of the cache manager (made on first use)."""
+        if self._manager is None:
+            self._manager = self.live_manager.clone()
+        return self._manager
+
+    def prefix_limit(self, request_id: int) -> int | None:
+        """The most leading tokens a request admitted now may take from the prefix cache (None:
+        no cap; the open captures and interventions set one, so their positions are recomputed)."""
+        return self.hooks.prefix_limit(request_id) if self.hooks is not None else None
+
+    def of(self, req) -> RequestDraft:
+        if isinstance(req, RequestDraft):
+            return req
+        d = self.drafts.get(req.id)
+        if d is None:
+            d = self.drafts[req.id] = RequestDraft(req)
+        return d
+
+    def all(self, reqs) -> list[RequestDraft]:
+        """Drafts of the requests that are not done (a finished or aborted request never changes)."""
+        out = []
+        for r in reqs:
+            seen = r if isinstance(r, RequestDraft) else self.drafts.get(r.id, r)
+            if seen.status not in DONE:
+                out.append(self.of(r))
+        return out
+
+    def generator(self, rid: int, live: dict[int, torch.Generator]) -> torch.Generator | None:
+        """A private copy of request ``rid``'s generator (None for a greedy request)."""
+        g = self.generators.get(rid)
+        if g is None and rid in live:
+            g = self.generators[rid] = sampler.copy_generator(live[rid])
+        return g
+
+    def stage_token(self, d: RequestDraft, token: int, logprob=None) -> None:
+        """Stage one sampled token and finish the request when it stops it (``stopping.py``): past
+        ``min_new_tokens``, a stop token id or a completed stop string gives ``"stop"`` (with the
+        token or string as ``stop_reason``); else reaching ``max_new_tokens`` gives ``"length"``."""
+        d.append_token(token, logprob)
+        d.status = DECODING
+        if d.draft_token_ids:             # drafts are proposed for the tokens as they were
+            d.draft_token_ids = ()
+        may_stop = len(d.output_token_ids) > d.sampling.min_new_tokens
+        hit = d.stop_strings.push(token, search=may_stop) if d.stop_strings is not None else None
+        if may_stop and (token in d.stop_token_ids or hit is not None):
+            d.stop_reason = token if token in d.stop_token_ids else hit
+            self.finish(d, "stop")
+        elif len(d.output_token_ids) >= d.sampling.max_new_tokens:
+            self.finish(d, "length")
+
+    def finish(self, d: RequestDraft, reason: str, status: str = FINISHED) -> None:
+        d.status, d.finish_reason = status, reason
+        if self.manager.has(d.id):
+            self.manager.free(d.id)
+
+    def apply(self, generators: dict[int, torch.Generator]) -> None:
+        """Publish every staged change: plain assignments only (no call here can raise)."""
+        if self._manager is not None:
+            self.live_manager.adopt(self._manager)
+        for d in self.drafts.values():
+            req = d.request
+            for name in STEP_FIELDS:
+                setattr(req, name, getattr(d, name))
+        generators.update(self.generators)
 
 
-def _hold():
-    """Install the holding handler for an outermost call on the main thread (None otherwise)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    current = signal.getsignal(signal.SIGINT)
-    if isinstance(current, HeldInterrupts) or current is None:
-        return None                              # a call inside a call, or a handler not set from Python
-    held = HeldInterrupts(current)
-    signal.signal(signal.SIGINT, held)
-    return held
+def preempt(draft: StepDraft, d: RequestDraft) -> None:
+    """Stage a preemption: the request's blocks go back, it waits to be recomputed."""
+    draft.manager.free(d.id)
+    d.num_computed_tokens = 0
+    d.draft_token_ids = ()
+    d.status = WAITING
+    d.num_preemptions += 1
 
 
-def _release(held, keeps: str | None = None) -> None:
-    """Give the previous handler back; deliver a Ctrl-C held back since the commit (as a
-    warning for a call that ``keeps`` what it made)."""
-    if held is None:
-        return
-    signal.signal(signal.SIGINT, held.previous)
-    if held.pending and keeps is not None:
-        warn(f"Ctrl-C arrived as {keeps}() finished; what it made is kept and returned", RuntimeWarning)
-    elif held.pending:
-        held.deliver()
+RUNNING = (PREFILLING, DECODING)
+DONE = (FINISHED, ABORTED)
 
 
 class KVGuard:

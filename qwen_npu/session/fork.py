@@ -34,7 +34,7 @@ from __future__ import annotations
 import weakref
 
 from ..engine import sampler
-from ..engine.draft import StepDraft
+from ..engine.transaction import StepDraft
 from ..engine.step import check_not_pending
 from ..engine.request import ABORTED, SamplingParams
 from ..engine.step import Commit, commit

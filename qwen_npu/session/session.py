@@ -25,7 +25,6 @@ from ..engine.plan import StepResult
 from ..engine.request import ABORTED, Request, SamplingParams
 from ..engine.scheduler import Scheduler
 from ..engine.step import Commit, commit
-from ..engine.transaction import exclusive
 from ..errors import InvalidRequestError
 from ..model.hub import checkpoint_folder
 from ..model.qwen3 import Qwen3Model
@@ -33,12 +32,13 @@ from ..text import chat
 from ..text.tokenizer import Tokenizer
 from .loading import load_session
 from .options import SessionOptions
-from .steps import SessionSteps
+from .generate import SessionGenerate
+from .steps import CallGate, SessionSteps, exclusive
 
 HISTORY = 256
 
 
-class Session(SessionSteps):
+class Session(SessionSteps, SessionGenerate):
     """One model, its paged KV cache and its requests. Create with ``Session.from_pretrained``."""
 
     def __init__(self, model: Qwen3Model, config: SessionConfig, *, path: Path | None = None,
@@ -49,7 +49,10 @@ class Session(SessionSteps):
         self.tokenizer = tokenizer
         self.model = model
         self._owns_engine = engine is None
-        self._engine = engine if engine is not None else Engine(model, config)   # shared by forks
+        if engine is None:
+            engine = Engine(model, config)
+            engine.calls = CallGate()
+        self._engine = engine                    # shared by forks
         self._scheduler = Scheduler(max_batch=config.max_batch, chunk_size=config.chunk_size)
         self._init_state()
 

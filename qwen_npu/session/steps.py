@@ -1,23 +1,116 @@
-"""The steps of a Session (mixed into ``Session``): which rows each kind of step takes.
+"""The Session's transactions (mixed into ``Session``): the call gate, and which rows each kind
+of step takes.
 
-``prefill``, ``decode_step`` and ``step`` say how their rows are scheduled; ``sample`` which
-step it samples. Each then runs ``engine/step.py`` top to bottom, one transaction.
-``generate`` and ``stream`` drive ``step`` until their requests finish.
+Every state-changing Session method is ``@exclusive``: it holds the engine's ``CallGate`` (one
+call at a time across threads; another thread is refused at once) with Ctrl-C held back
+(``engine/transaction.py``). ``prefill``, ``decode_step`` and ``step`` say how their rows are
+scheduled, ``sample`` which step it samples; each then runs ``engine/step.py`` top to bottom.
 """
 from __future__ import annotations
 
 import collections
+import functools
+import signal
+import threading
 
 import torch
 
 from ..engine import speculative
-from ..engine.draft import StepDraft
 from ..engine.plan import StepResult
-from ..engine.request import DECODING, PREFILLING, WAITING, Completion, Request
+from ..engine.request import DECODING, PREFILLING, WAITING, Request
 from ..engine.step import Commit, check_not_pending, commit, run_step, sample_step
-from ..engine.transaction import exclusive
-from ..errors import InvalidRequestError, StaleOutputError
-from ..text import chat
+from ..engine.transaction import HeldInterrupts, StepDraft
+from ..errors import InvalidRequestError, SessionBusyError, StaleOutputError, warn
+
+
+class CallGate:
+    """A re-entrant, never-waiting lock with the name of the outermost call that holds it; it
+    also knows whether that call is inside a step (``stepping``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0
+        self.holder: tuple[str, str] | None = None     # (thread name, call) of the outermost call
+        self.stepping: int | None = None               # the index of the step running, if any
+
+    def enter(self, call: str, *, changes_state: bool) -> None:
+        if not self._lock.acquire(blocking=False):
+            thread, running = self.holder or ("another thread", "a call")
+            raise SessionBusyError(
+                f"cannot run {call}(): {running}() of this session (or a fork sharing its KV cache) is "
+                f"running in thread {thread!r}; wait for it to finish (nothing was changed)")
+        if changes_state and self.stepping is not None:
+            self._lock.release()
+            raise InvalidRequestError(
+                f"cannot run {call}() inside step {self.stepping}: it was called from code the step runs "
+                f"(an intervention or capture callback), and the step's commit would undo it; call it "
+                f"after the step returns (nothing was changed)")
+        if self._depth == 0:
+            self.holder = (threading.current_thread().name, call)
+        self._depth += 1
+
+    def leave(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.holder = None
+        self._lock.release()
+
+    @property
+    def free(self) -> bool:
+        return self._depth == 0
+
+
+def exclusive(method=None, *, changes_state: bool = True, returns_handle: bool = False):
+    """Run a Session method as a transaction: holding its engine's gate, with Ctrl-C held back
+    (see the module docstring). ``changes_state=False``: a read that must not overlap a step of
+    another thread but may run inside a step of its own (a check from a callback).
+    ``returns_handle``: the call hands back a new object the caller must get (a fork), so a
+    Ctrl-C that lands after its commit becomes a warning instead of losing the object."""
+    if method is None:
+        return functools.partial(exclusive, changes_state=changes_state, returns_handle=returns_handle)
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        gate = None if getattr(self, "_closed", False) else getattr(self._engine, "calls", None)
+        if gate is None:                                    # a closed session: the call says so
+            return method(self, *args, **kwargs)
+        held = _hold()
+        try:
+            gate.enter(name, changes_state=changes_state)
+            try:
+                if self._engine.dropped:              # forks garbage-collected with live requests
+                    self._engine.collect_dropped()
+                return method(self, *args, **kwargs)
+            finally:
+                gate.leave()
+        finally:
+            _release(held, name if returns_handle else None)
+    return call
+
+
+def _hold():
+    """Install the holding handler for an outermost call on the main thread (None otherwise)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    current = signal.getsignal(signal.SIGINT)
+    if isinstance(current, HeldInterrupts) or current is None:
+        return None                              # a call inside a call, or a handler not set from Python
+    held = HeldInterrupts(current)
+    signal.signal(signal.SIGINT, held)
+    return held
+
+
+def _release(held, keeps: str | None = None) -> None:
+    """Give the previous handler back; deliver a Ctrl-C held back since the commit (as a
+    warning for a call that ``keeps`` what it made)."""
+    if held is None:
+        return
+    signal.signal(signal.SIGINT, held.previous)
+    if held.pending and keeps is not None:
+        warn(f"Ctrl-C arrived as {keeps}() finished; what it made is kept and returned", RuntimeWarning)
+    elif held.pending:
+        held.deliver()
 
 
 class SessionSteps:
@@ -179,61 +272,6 @@ class SessionSteps:
                 return "prefill", rows
             return step_kind(self._decode_rows(draft, fresh=True))
         return self._transact(plan, "step", sample=True)
-
-    @exclusive
-    def generate(self, prompts, sampling=None, progress=None, *, enable_thinking: bool | None = None,
-                 chat_template_kwargs: dict | None = None) -> list[Completion]:
-        """Run ``prompts`` to completion with continuous batching; results in input order.
-
-        Every prompt is checked before any is added; when the first step fails before it commits
-        (refused, interrupted), the requests this call added are removed again, so the session
-        is exactly as before the call."""
-        chat_kwargs = chat.template_kwargs(enable_thinking, chat_template_kwargs)
-        mark = (self._engine.next_request_id, self._seed_rng.getstate(), self._step_index)
-        reqs = self._add_batch(prompts, sampling, "generate", chat_kwargs)
-        from .progress import StepProgress
-        bar = StepProgress(progress, reqs)           # prompt tokens prefilled + tokens generated
-        try:
-            while not all(r.is_done for r in reqs):
-                try:
-                    bar.update(self.step())
-                except BaseException:
-                    if self._step_index == mark[2]:      # no step committed: take the requests back
-                        commit(self._engine, Commit(then=(lambda: self._take_back(reqs, mark),)), undo=True)
-                    raise
-        finally:
-            bar.close()
-        return [Completion.of(r) for r in reqs]
-
-    def _take_back(self, reqs: list[Request], mark: tuple) -> None:
-        """Plain assignments: forget ``reqs`` (added by a call whose first step failed)."""
-        for r in reqs:
-            self._requests.pop(r.id, None)
-            self._generators.pop(r.id, None)
-        self._engine.next_request_id = mark[0]
-        self._seed_rng.setstate(mark[1])
-
-    def _add_batch(self, prompts, sampling, action: str, chat_kwargs: dict) -> list[Request]:
-        """Validate every prompt first, then add them all (one prompt or a list or tuple of them;
-        one sampling or one each)."""
-        single = isinstance(prompts, (str, bytes, bytearray, torch.Tensor)) or chat.is_messages(prompts)
-        if not single and not isinstance(prompts, (list, tuple)):
-            raise InvalidRequestError(f"{action}: prompts must be one prompt (a str, chat messages, a list of "
-                                      f"int token ids) or a list of them, not {type(prompts).__name__}")
-        if single or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        if len(samplings) != len(prompts):
-            raise InvalidRequestError(f"{len(prompts)} prompts but {len(samplings)} sampling params")
-        check_not_pending(self.last_step, action, self._requests)
-        prepared = [self._prepare(p, s, chat_kwargs) for p, s in zip(prompts, samplings)]
-        return [self._add(*p) for p in prepared]
-
-    def stream(self, prompts, sampling=None, *, enable_thinking: bool | None = None,
-               chat_template_kwargs: dict | None = None):
-        """Like ``generate``, but yields StreamEvents (request, text increment) as tokens arrive."""
-        from .streaming import stream
-        return stream(self, prompts, sampling, chat.template_kwargs(enable_thinking, chat_template_kwargs))
 
 
 def step_kind(rows: list[tuple]) -> tuple[str, list[tuple]]:

@@ -147,7 +147,7 @@ def test_ctrl_c_during_a_commit_lands_after_it(tiny_ckpt_small_vocab, default_si
     import os
     import signal
 
-    from qwen_npu.engine.draft import StepDraft
+    from qwen_npu.engine.transaction import StepDraft
 
     sess = open_tiny(tiny_ckpt_small_vocab)
     r = sess.add_request(P3, GREEDY)
@@ -174,7 +174,7 @@ def test_ctrl_c_ignored_by_the_process_stays_ignored_through_a_commit(tiny_ckpt_
     import os
     import signal
 
-    from qwen_npu.engine.draft import StepDraft
+    from qwen_npu.engine.transaction import StepDraft
 
     sess = open_tiny(tiny_ckpt_small_vocab)
     r = sess.add_request(P3, GREEDY)

@@ -104,7 +104,7 @@ def layer_of(name: str):
 
 
 FACADE = {"qwen_npu.session", "qwen_npu.session.session", "qwen_npu.session.steps", "qwen_npu.session.state",
-          "qwen_npu.session.fork", "qwen_npu.session.close"}
+          "qwen_npu.session.fork", "qwen_npu.session.close", "qwen_npu.session.generate"}
 
 
 def is_facade(name: str) -> bool:

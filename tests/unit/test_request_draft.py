@@ -3,7 +3,7 @@ import pytest
 
 from qwen_npu import SamplingParams
 from qwen_npu.cache.manager import KVCacheManager
-from qwen_npu.engine.draft import RequestDraft, StepDraft
+from qwen_npu.engine.transaction import RequestDraft, StepDraft
 from qwen_npu.engine.request import FIXED_FIELDS, STEP_FIELDS, Request
 
 
