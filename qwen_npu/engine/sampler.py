@@ -50,29 +50,36 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     ``generators[r]`` must be set for every non-greedy row. ``greedy_ids``: ``logits.argmax(-1)``
     when the caller already has it (a kernel set's fused ``greedy_health``). ``pinned``: the
     step's ``PinnedCopies`` for the per-row parameters (a plain ``.to(device)`` without one).
+    Only the sampled rows are scaled, masked and given noise; a row's token depends on its own
+    logits, parameters and generator only, never on which rows share the batch.
     """
-    if greedy_ids is None:
-        greedy_ids = logits.argmax(dim=-1)                              # [rows]
     greedy = [p.temperature == 0.0 for p in params]                       # temperature 0: argmax
     if all(greedy):
-        return greedy_ids, 0
+        return (logits.argmax(dim=-1) if greedy_ids is None else greedy_ids), 0
+
     def put(t, name):
         return to_device(t, logits.device, pinned, name)
     vocab = logits.shape[1]
-    keys = torch.cat([torch.zeros(1, dtype=torch.int64) if g else torch.randint(2 ** 62, (1,), generator=gen)
-                      for g, gen in zip(greedy, generators)])            # one host draw per sampled row
-    per_row = torch.tensor([[1.0 if g else p.temperature, p.top_p if p.top_p < 1.0 else float("inf")]
-                            for p, g in zip(params, greedy)], dtype=torch.float32)     # [rows, 2]
-    ints = torch.stack((torch.tensor(greedy, dtype=torch.int64),
-                        torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]), keys), 1)  # [rows, 3]
+    rows = [i for i, g in enumerate(greedy) if not g]                    # only these make noise
+    some = len(rows) < len(params)
+    keys = torch.cat([torch.randint(2 ** 62, (1,), generator=generators[i]) for i in rows])  # one draw each
+    per_row = torch.tensor([[params[i].temperature, params[i].top_p if params[i].top_p < 1.0 else float("inf")]
+                            for i in rows], dtype=torch.float32)                       # [sampled, 2]
+    ints = torch.stack((torch.tensor(rows, dtype=torch.int64),
+                        torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rows]),
+                        keys), 1)                                                      # [sampled, 3]
     h2d = per_row.nbytes + ints.nbytes
     per_row, ints = put(per_row, "sample.floats"), put(ints, "sample.ints")
-    x = logits.float() / per_row[:, :1]                                  # [rows, vocab]
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+    x = (logits.index_select(0, ints[:, 0]) if some else logits).float() / per_row[:, :1]   # [sampled, vocab]
+    if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows):
         x = mask_top_k_top_p(x, ints[:, 1], per_row[:, 1])
     probs = torch.softmax(x, dim=-1)
     sampled = (probs / exponential_noise(ints[:, 2], vocab)).argmax(dim=-1)
-    return torch.where(ints[:, 0] != 0, greedy_ids, sampled), h2d
+    if not some:
+        return sampled, h2d
+    if greedy_ids is None:
+        greedy_ids = logits.argmax(dim=-1)                              # [rows]
+    return greedy_ids.index_copy(0, ints[:, 0], sampled), h2d
 
 
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:

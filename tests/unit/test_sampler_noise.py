@@ -41,3 +41,40 @@ def test_tokens_of_probability_zero_are_never_sampled():
         assert (top5 == ids[: rows // 2, None]).any(dim=-1).all(), f"batch {batch}: a token outside the top 5"
         probs = torch.softmax(logits[rows // 2:] / 0.02, dim=-1)
         assert (probs.gather(1, ids[rows // 2:, None]) > 0).all(), f"batch {batch}: a token of probability 0"
+
+
+def test_a_row_samples_the_same_token_whatever_rows_share_its_batch():
+    """Greedy rows make no noise and sampled rows are computed on their own: each row's token is
+    the one it draws alone, in batches of sampled and greedy rows in any order."""
+    vocab = 997
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, vocab, generator=gen) * 2
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40),
+              SamplingParams(temperature=1.3, top_p=0.9), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=3, top_p=0.7)]
+
+    def gens(rows):
+        return [None if params[r].temperature == 0 else sampler.new_generator(torch.device("cpu"), 40 + r)
+                for r in rows]
+    alone = [sampler.sample(logits[r:r + 1], [params[r]], gens([r]))[0].item() for r in range(6)]
+    assert alone[0] == logits[0].argmax().item() and alone[3] == logits[3].argmax().item()
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1], [1, 2, 4], [4, 0], [3, 0]):
+        ids, h2d = sampler.sample(logits[order], [params[r] for r in order], gens(order))
+        assert ids.tolist() == [alone[r] for r in order], order
+        assert (h2d == 0) == all(params[r].temperature == 0 for r in order)
+
+
+def test_noise_is_made_for_the_sampled_rows_only(monkeypatch):
+    made = []
+    real = sampler.exponential_noise
+
+    def counted(keys, vocab):
+        made.append(keys.shape[0])
+        return real(keys, vocab)
+    monkeypatch.setattr(sampler, "exponential_noise", counted)
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0.0)] * 5 + [SamplingParams(temperature=1.0)] * 3
+    gens = [None] * 5 + [sampler.new_generator(torch.device("cpu"), s) for s in range(3)]
+    ids, _ = sampler.sample(logits, params, gens)
+    assert made == [3]
+    assert ids[:5].tolist() == logits[:5].argmax(-1).tolist()
