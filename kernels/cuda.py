@@ -19,7 +19,10 @@ copied from it.
 Gathering: a row's positions are read through its block table with one ``index_select`` per
 cache for the whole step. A position that pads a tile or a bucket reads the row's own position
 0 (always in its context and visible to every token of the row), so no gathered value ever
-comes from outside the row's context; masked scores are replaced by -inf, never added to.
+comes from outside the row's context. On the one-token path masked scores are replaced by -inf.
+On the chunk path ``scaled_dot_product_attention`` adds its -inf mask, so a non-finite K or V at a
+position of the row's own context reaches the chunk's queries before that position too (the
+reference keeps them finite); the stream health check reports the row either way.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ reference, so a dead object never matches a new one) whose tensors have not been
 place since (their version counters) and with the same ``extra`` key; anything else builds
 anew. Tensors made under ``torch.inference_mode`` have no version counter: they always build.
 It holds derived data only, replaced by one assignment, so an interrupted build leaves the
-previous entry whole.
+previous entry whole. The entry goes when its object does: nothing a step derived outlives the
+step (nor a closed Session).
 """
 from __future__ import annotations
 
@@ -31,8 +32,14 @@ class LastResult:
         if entry is not None and entry[0]() is obj and entry[1] == versions and entry[2] == extra:
             return entry[3]
         value = make()
-        self._entry = (weakref.ref(obj), versions, extra, value)
+        self._entry = (weakref.ref(obj, self._dropped), versions, extra, value)
         return value
+
+    def _dropped(self, ref: weakref.ref) -> None:
+        """The object of an entry is gone: so is the entry (unless a newer one replaced it)."""
+        entry = self._entry
+        if entry is not None and entry[0] is ref:
+            self._entry = None
 
     def clear(self) -> None:
         self._entry = None
