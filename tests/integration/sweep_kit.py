@@ -109,6 +109,27 @@ class Call:
     steps: list = field(default_factory=list)
 
 
+def add(prompt, sampling) -> Call:
+    """``add_request(prompt, sampling)`` as a call of a program."""
+    return Call("add_request", lambda w: w.sess.add_request(prompt, sampling))
+
+
+def generate_call(prompts, samplings, steps: int) -> Call:
+    """``generate(prompts, samplings)`` as a call of a program. Its transactions one by one: each
+    ``add_request``, then up to ``steps`` steps (a step once every request is done is skipped)."""
+    def gen(w):
+        w.sess.generate(prompts, samplings, progress=False)
+
+    def add_each(i):
+        return lambda w: w.sess.add_request(prompts[i], samplings[i])
+
+    def step_if_running(w):
+        if any(not r.is_done for r in w.sess.requests):
+            w.sess.step()
+    adds = [add_each(i) for i in range(len(prompts))]
+    return Call("generate()", gen, steps=adds + [step_if_running] * steps)
+
+
 def diff(a, b) -> str:
     da, db = dict(a), dict(b)
     parts = []

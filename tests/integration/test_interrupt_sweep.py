@@ -18,7 +18,7 @@ The default run takes every ``STRIDE``-th line; the full sweep, every line::
 from __future__ import annotations
 
 import pytest
-from sweep_kit import Call, ctrl_c_raises, stride, summary, sweep  # noqa: F401 (an autouse fixture)
+from sweep_kit import Call, add, ctrl_c_raises, generate_call, stride, summary, sweep  # noqa: F401 (an autouse fixture)
 
 from qwen_npu import SamplingParams
 
@@ -33,10 +33,6 @@ P2 = [27, 18, 28, 18, 28]
 P3 = [7, 1, 8, 2, 8, 1, 8]
 KW = dict(device="cpu", kernels="reference", max_batch=3, block_size=4, max_model_len=32, num_blocks=24,
           chunk_size=8)
-
-
-def add(prompt, sampling):
-    return Call("add_request", lambda w: w.sess.add_request(prompt, sampling))
 
 
 def on(who, what, label=None):
@@ -58,19 +54,7 @@ def fork(w):
 
 
 def generate_calls():
-    prompts, samplings = [P1, P2], [GREEDY, UNSEEDED]
-
-    def gen(w):
-        w.sess.generate(prompts, samplings, progress=False)
-
-    def add_each(i):
-        return lambda w: w.sess.add_request(prompts[i], samplings[i])
-
-    def step_if_running(w):
-        if any(not r.is_done for r in w.sess.requests):
-            w.sess.step()
-    return [add(P3, SEEDED), on("sess", "step"),
-            Call("generate()", gen, steps=[add_each(0), add_each(1)] + [step_if_running] * 8)]
+    return [add(P3, SEEDED), on("sess", "step"), generate_call([P1, P2], [GREEDY, UNSEEDED], 8)]
 
 
 def by_hand_calls():

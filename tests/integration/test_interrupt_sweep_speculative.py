@@ -8,7 +8,7 @@ free, and finishing the program gives the uninterrupted run's tokens)::
 from __future__ import annotations
 
 import pytest
-from sweep_kit import Call, World, ctrl_c_raises, stride, summary, sweep  # noqa: F401 (an autouse fixture)
+from sweep_kit import Call, World, add, ctrl_c_raises, generate_call, stride, summary, sweep  # noqa: F401 (an autouse fixture)
 
 from qwen_npu import SamplingParams
 
@@ -19,10 +19,6 @@ P1 = [27, 18, 28, 18, 28]
 P2 = [3, 14, 15, 3, 14, 15, 3]
 KW = {"device": "cpu", "kernels": "reference", "max_batch": 3, "block_size": 4, "max_model_len": 32, "num_blocks": 24,
           "chunk_size": 8, "speculative": "ngram", "num_speculative_tokens": 3}
-
-
-def add(prompt, sampling):
-    return Call("add_request", lambda w: w.sess.add_request(prompt, sampling))
 
 
 def when_running(label, fn):
@@ -43,18 +39,7 @@ def by_hand_calls():
 
 
 def generate_calls():
-    prompts, samplings = [P1, P2], [GREEDY, SEEDED]
-
-    def gen(w):
-        w.sess.generate(prompts, samplings, progress=False)
-
-    def add_each(i):
-        return lambda w: w.sess.add_request(prompts[i], samplings[i])
-
-    def step_if_running(w):
-        if any(not r.is_done for r in w.sess.requests):
-            w.sess.step()
-    return [Call("generate()", gen, steps=[add_each(0), add_each(1)] + [step_if_running] * 10)]
+    return [generate_call([P1, P2], [GREEDY, SEEDED], 10)]
 
 
 PROGRAMS = {

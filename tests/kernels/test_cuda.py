@@ -17,7 +17,7 @@ from test_reference import (
     DECODE_ROWS,
     PREFILL_ROWS,
     TOL,
-    NoHostSync,
+    assert_no_host_sync,
     bits,
     build_case,
     naive_attention,
@@ -138,16 +138,7 @@ def test_an_edited_block_table_is_read_afresh():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_write_kv_and_paged_attention_make_no_host_sync(case):
-    meta, query, kc, vc, _, _ = build_case(CASES[case], 4, 2, 2, 8, torch.float32)
-    key, value = torch.randn(2, meta.num_tokens, 2, 8)
-    slots = meta.slot_mapping.clone()
-    slots[::2] = -1
-    with NoHostSync():
-        cuda.write_kv(key, value, kc, vc, slots)
-        cuda.write_kv(key, value, kc, vc, torch.full_like(slots, -1))
-        cuda.write_kv(key, value, kc, vc, meta.slot_mapping)
-        out = cuda.paged_attention(query, kc, vc, meta, 0.3)
-    assert torch.isfinite(out).all()
+    assert_no_host_sync(cuda, CASES[case])
 
 
 def test_norms_and_rope_are_the_references():

@@ -246,15 +246,21 @@ def test_the_guard_catches_syncs():
             sync()
 
 
-@pytest.mark.parametrize("rows", [DECODE_ROWS, PREFILL_ROWS], ids=["decode", "prefill"])
-def test_write_kv_and_paged_attention_make_no_host_sync(rows):
+def assert_no_host_sync(kernels, rows) -> None:
+    """``kernels``' write_kv (some slots -1, all -1, none) and paged_attention over ``rows`` run
+    without one host sync, and the attention is finite."""
     meta, query, kc, vc, _, _ = build_case(rows, 4, 2, 2, 8, torch.float32)
     key, value = torch.randn(2, meta.num_tokens, 2, 8)
     slots = meta.slot_mapping.clone()
     slots[::2] = -1
     with NoHostSync():
-        ref.write_kv(key, value, kc, vc, slots)
-        ref.write_kv(key, value, kc, vc, torch.full_like(slots, -1))
-        ref.write_kv(key, value, kc, vc, meta.slot_mapping)
-        out = ref.paged_attention(query, kc, vc, meta, 1 / math.sqrt(8))
+        kernels.write_kv(key, value, kc, vc, slots)
+        kernels.write_kv(key, value, kc, vc, torch.full_like(slots, -1))
+        kernels.write_kv(key, value, kc, vc, meta.slot_mapping)
+        out = kernels.paged_attention(query, kc, vc, meta, 1 / math.sqrt(8))
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("rows", [DECODE_ROWS, PREFILL_ROWS], ids=["decode", "prefill"])
+def test_write_kv_and_paged_attention_make_no_host_sync(rows):
+    assert_no_host_sync(ref, rows)
