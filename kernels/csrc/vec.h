@@ -32,19 +32,24 @@ inline float hsum(__m256 v) {
 
 // exp for x <= 0 (scores minus their max): 2^n * p(r), |relative error| < 2e-7; -inf -> 0;
 // NaN -> NaN, as the reference softmax gives it (a NaN key or query must show, not vanish).
+// The constants are shared with the 16-lane version in attention_bf16.cpp (same steps, same bits).
+namespace exp_neg_c {
+constexpr float LO = -87.0f;                                      // below: exactly 0
+constexpr float LOG2E = 1.44269504088896341f;
+constexpr float LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;  // ln 2 = LN2_HI + LN2_LO
+constexpr float P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                        4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_neg_c
+
 inline __m256 exp_neg(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
+  using namespace exp_neg_c;
+  const __m256 lo = _mm256_set1_ps(LO);
   x = _mm256_max_ps(lo, x);            // operand order: max_ps returns its 2nd operand for a NaN
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+  __m256 p = _mm256_set1_ps(P[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P[i]));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
