@@ -19,7 +19,9 @@ from .step import Commit, StreamHealthWarning, check_not_pending, commit  # noqa
 
 
 class Engine:
-    def __init__(self, model: Qwen3Model, config: SessionConfig):
+    def __init__(self, model: Qwen3Model, config: SessionConfig, calls):
+        """``calls``: the call gate of the Session that makes this engine (``session/steps.py``'s
+        ``CallGate``), shared by its forks."""
         self.model = model
         self.config = config
         mc = model.config
@@ -40,8 +42,7 @@ class Engine:
         # None, or the step hooks of the open captures and interventions (engine/hooks.py)
         self.hook: StepHooks | None = None
         self.branches = None       # the Sessions sharing this engine after a fork (session_fork.py)
-        self.calls = None          # the Session's CallGate (session/steps.py), set by the Session that
-        #                            made this engine and shared by its forks
+        self.calls = calls          # one state-changing call at a time, across threads
         self.next_request_id = 0   # request ids are unique per engine, so forked Sessions never clash
         self.faults: FaultEmulator | None = None   # EMULATED hardware faults; off unless asked for
         self.dropped: list[dict] = []   # request maps of branches garbage-collected with live requests

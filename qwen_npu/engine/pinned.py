@@ -59,18 +59,17 @@ def _event(device: torch.device):
 
 
 class PinnedCopies:
-    """The pinned buffers of one kind of copy (a step kind's dispatch data, or the sampler's)."""
+    """The pinned buffers of one kind of copy (a step kind's dispatch data, or the sampler's), for
+    a device that ``pins``: the dispatch buffers make them only there."""
 
     def __init__(self, device: torch.device, sizes: dict[str, tuple[int, torch.dtype]] | None = None):
         self.device = device
-        self.enabled = pins(device)
         self.current = 0                       # the set the last committed step wrote
         self._sets: list[dict[str, torch.Tensor]] = [{}, {}]
         self._events = [None, None]
-        if self.enabled:
-            for name, (numel, dtype) in (sizes or {}).items():
-                for s in self._sets:
-                    s[name] = pinned_empty(numel, dtype)
+        for name, (numel, dtype) in (sizes or {}).items():
+            for s in self._sets:
+                s[name] = pinned_empty(numel, dtype)
 
     @property
     def spare(self) -> int:
@@ -84,10 +83,9 @@ class PinnedCopies:
         try:
             yield self
         finally:
-            if self.enabled:
-                event = self._events[self.spare] = self._events[self.spare] or _event(self.device)
-                if event is not None:
-                    event.record()
+            event = self._events[self.spare] = self._events[self.spare] or _event(self.device)
+            if event is not None:
+                event.record()
 
     def _wait(self, event) -> None:
         if event is None or event.query():
@@ -116,13 +114,8 @@ class PinnedCopies:
 
     def copy_into(self, dst: torch.Tensor, host: torch.Tensor, name: str) -> None:
         """``dst.copy_(host)``: through the spare pinned buffer ``name`` without blocking."""
-        if not self.enabled:
-            dst.copy_(host)
-            return
         dst.copy_(self._buffer(name, host), non_blocking=True)
 
     def put(self, host: torch.Tensor, name: str) -> torch.Tensor:
-        """``host`` on the device (``host`` itself on the CPU)."""
-        if not self.enabled:
-            return host
+        """``host`` on the device, through the spare pinned buffer ``name`` without blocking."""
         return self._buffer(name, host).to(self.device, non_blocking=True)

@@ -44,7 +44,6 @@ from ..errors import StaleOutputError
 from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook, Qwen3Model
 from . import pinned
-from .pinned import PinnedCopies
 from .plan import StepPlan, buffer_set
 
 
@@ -147,12 +146,12 @@ class DispatchBuffers:
             self.tensors[pre + "query_start_loc"] = z(max_batch + 1, dtype=i32)
             self.tensors[pre + "logits_index"] = z(self.max_logits[kind], dtype=i64)
         # pinned mirrors of each set's buffers, and the sampler's (on an accelerator: pinned.py)
-        self.pinned: dict[str, PinnedCopies] = {}
+        self.pinned: dict[str, pinned.PinnedCopies] = {}
         if pinned.pins(device):
-            self.pinned = {kind: PinnedCopies(device, {n: (t.numel(), t.dtype) for n, t in self.tensors.items()
-                                                       if n.startswith("prefill.") == (kind == "prefill")})
-                           for kind in ("decode", "prefill")}
-            self.pinned["sample"] = PinnedCopies(device)
+            self.pinned = {kind: pinned.PinnedCopies(device, {
+                n: (t.numel(), t.dtype) for n, t in self.tensors.items()
+                if n.startswith("prefill.") == (kind == "prefill")}) for kind in ("decode", "prefill")}
+            self.pinned["sample"] = pinned.PinnedCopies(device)
         self._outputs: dict[tuple, OutputBuffer] = {}
         self.current = {"decode": 0, "prefill": 0}   # the pair holding the last committed step's outputs
         for kind in ("decode", "prefill"):
@@ -178,7 +177,7 @@ class DispatchBuffers:
         """The pair a new step of ``kind`` writes: not the one the last committed step holds."""
         return 1 - self.current[kind]
 
-    def staging(self, kind: str) -> PinnedCopies | None:
+    def staging(self, kind: str) -> pinned.PinnedCopies | None:
         """The pinned set that copies of ``kind`` ("decode", "prefill", "sample") go through; None
         on the CPU, where data is used where it is."""
         return self.pinned.get(kind)

@@ -27,10 +27,9 @@ from ..cache.ledger import LedgerWrites
 from ..cache.slot_check import check_step_writes, raise_or_warn
 from ..errors import InvalidRequestError, warn
 from . import sampler, verify
-from .transaction import DONE, StepDraft
 from .plan import StepPlan, StepResult, buffer_set, build_plan
 from .runner import DeviceLogits
-from .transaction import KVGuard, fault_point, held_interrupts
+from .transaction import DONE, KVGuard, StepDraft, fault_point, held_interrupts
 
 HEALTH = {1: "non-finite logits", 2: "all-zero logits", 3: "all-equal logits"}
 
@@ -130,7 +129,7 @@ def run_step(sess, schedule, action: str, *, sample: bool, force: dict | None = 
     fault_point("validated")
     step_hook = hooks.begin_step(plan) if hooks is not None else None
     guard = KVGuard(engine.kv_cache, engine.manager.committed_blocks(written_blocks(plan, cfg.block_size)),
-                    engine.buffers, buffer_set(plan.kind))
+                    engine.buffers.staging(buffer_set(plan.kind)))
     engine.calls.stepping = plan.index
     try:
         with torch.no_grad(), held_interrupts().interruptible():       # entered in this order, left whole

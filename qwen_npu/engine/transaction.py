@@ -266,15 +266,14 @@ class KVGuard:
     their owners, so their K/V must be as it was; ``restore`` copies it back.
     """
 
-    def __init__(self, kv_cache, blocks: Sequence[int], buffers=None, kind: str = "decode"):
-        """``buffers``: the dispatch buffers whose ``kind`` staging the block index reaches the
-        device through (pinned on an accelerator, ``pinned.py``; a plain ``.to`` without them)."""
+    def __init__(self, kv_cache, blocks: Sequence[int], staging=None):
+        """``staging``: the step's ``PinnedCopies`` the block index reaches the device through (on
+        an accelerator, ``pinned.py``; a plain ``.to`` without one)."""
         self.kv_cache = kv_cache
         self.blocks = list(blocks)
         self.saved = None
         if self.blocks:
             index = torch.tensor(self.blocks, dtype=torch.int64)
-            staging = buffers.staging(kind) if buffers is not None else None
             if staging is None:
                 index = index.to(kv_cache.keys[0].device)
             else:

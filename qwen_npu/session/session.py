@@ -49,10 +49,7 @@ class Session(SessionSteps, SessionGenerate):
         self.tokenizer = tokenizer
         self.model = model
         self._owns_engine = engine is None
-        if engine is None:
-            engine = Engine(model, config)
-            engine.calls = CallGate()
-        self._engine = engine                    # shared by forks
+        self._engine = engine if engine is not None else Engine(model, config, CallGate())   # shared by forks
         self._scheduler = Scheduler(max_batch=config.max_batch, chunk_size=config.chunk_size)
         self._init_state()
 
