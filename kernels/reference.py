@@ -95,13 +95,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 
 def _decode(query, key_cache, value_cache, meta, scale):
-    block_size = key_cache.shape[1]
-    n_blocks = -(-max(meta.seq_lens_host, default=0) // block_size)
-    blocks = meta.block_tables[:, :n_blocks].clamp(min=0).long()         # [rows, n_blocks]
-    k = key_cache[blocks].flatten(1, 2)                    # [rows, n_blocks*block_size, kv_heads, hd]
+    n_blocks = -(-max(meta.seq_lens_host, default=0) // key_cache.shape[1])
+    tables = meta.block_tables[:, :n_blocks]
+    return attend_context(query, key_cache, value_cache, tables, meta.seq_lens, scale)
+
+
+def attend_context(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row over its whole context: query [rows, heads, head_dim], tables [rows,
+    blocks] (-1 padded), seq_lens [rows] -> [rows, heads, head_dim]. Every row spans all of
+    ``tables``' blocks, the positions from its ``seq_len`` on masked."""
+    blocks = tables.clamp(min=0).long()                    # [rows, blocks]
+    k = key_cache[blocks].flatten(1, 2)                    # [rows, blocks*block_size, kv_heads, hd]
     v = value_cache[blocks].flatten(1, 2)
     ctx = torch.arange(k.shape[1], device=query.device)
-    mask = ctx[None, None, :] < meta.seq_lens[:, None, None]              # [rows, 1, ctx]
+    mask = ctx[None, None, :] < seq_lens[:, None, None]                   # [rows, 1, ctx]
     # Positions past a row's context (its last block's tail, and the -1 padding clamped to
     # block 0) may hold anything, NaN included: a masked score is -inf, but 0 * NaN is NaN, so
     # zero those V entries too. A row then never depends on slots outside its context.

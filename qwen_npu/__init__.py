@@ -10,6 +10,7 @@ from .engine.runner import DeviceLogits
 from .errors import (CheckpointError, DeviceError, InvalidRequestError, OutOfBlocksError, QwenNpuError,
                      SessionBusyError, SlotCollisionError, StaleOutputError, UnknownOptionError)
 from .session.options import SessionOptions
+from .research.batch_compare import compare_batched
 from .research.compare import compare
 from .session.session import Session
 from .dump import Dump, load_dump  # noqa: E402  isort: skip
@@ -27,7 +28,7 @@ __all__ = [
     "check_slot_mapping", "SlotCollisionWarning", "StreamHealthWarning", "FaultEmulationWarning",
     "QwenNpuError", "CheckpointError", "DeviceError", "InvalidRequestError", "OutOfBlocksError",
     "SlotCollisionError", "StaleOutputError", "SessionBusyError", "UnknownOptionError",
-    "compare",
+    "compare", "compare_batched",
     "load_dump", "Dump", "env_report", "EnvReport", "build_kernels", "TokenLogprob", "StreamEvent", "ScoreResult",
     "MemoryReport",
 ]

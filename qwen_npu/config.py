@@ -183,7 +183,7 @@ class SessionConfig:
     slot_check: str = "raise"
     decode_padding: str = "runtime"
     kernels: str = "reference"
-    deterministic: bool = False     # one forward per token: results independent of batch and chunking
+    deterministic: bool = False     # batch-invariant kernels: results independent of batch and chunking
     sync_timings: bool = False      # end the prepare and forward phases at a device synchronisation
     mixed_steps: bool = False       # step()/generate() put decode rows and prefill chunks in one forward
     speculative: str | None = None  # the drafter of speculative decoding ("ngram"), or None

@@ -123,6 +123,27 @@ def plot(sc: dict, png: Path) -> bool:
     return True
 
 
+def deterministic_section(det: dict | None) -> list[str]:
+    """``deterministic=True`` against the ordinary kernels (``deterministic_cost.py``)."""
+    if not det:
+        return []
+    a, b = det["ordinary"], det["deterministic"]
+    rows = [("prefill 512 tokens (tokens/s)", "prefill_tok_s", True), ("decode step, batch 1 (ms)", "decode_b1_ms", False),
+            ("decode step, batch 16 (ms)", "decode_b16_ms", False)]
+    out = ["## Deterministic mode", "",
+           "`deterministic=True` runs batch-invariant kernels (`kernels/invariant.py`) in ordinary batched",
+           "steps. Whole steps with `kernels=\"auto\"`, the two modes alternating round by round",
+           "(`docs/bench/deterministic_cost.py`); the cost is how much longer the deterministic step takes:", "",
+           "| figure | ordinary | deterministic | cost |", "|---|---|---|---|"]
+    for label, key, rate in rows:
+        cost = a[key] / b[key] if rate else b[key] / a[key]
+        out.append(f"| {label} | {_f(a[key])} | {_f(b[key])} | {cost:.2f}x |")
+    return out + ["", "The deterministic products are the C++ dot products of one summation order for every row",
+                  "count (on this CPU's bf16 instructions where it has them), not oneDNN's blocked product; a",
+                  "deterministic Session holds plain matrices. Attention runs every token, decode ones too,",
+                  "through the prefill tile loop.", ""]
+
+
 def render(res: dict, md: Path, png: Path, extra: list[Path] | None = None) -> None:
     """Write the page for ``res``, then a section per other machine's results file (``extra``,
     by default every ``docs/bench/results-*.json``)."""
@@ -213,6 +234,7 @@ def render(res: dict, md: Path, png: Path, extra: list[Path] | None = None) -> N
                   "C++ set in `kernels/cpu.py` (AVX2, fp32 arithmetic on bf16 storage; on a CPU with native",
                   "bf16, every product through oneDNN on weights reordered once at load and prefill attention",
                   "on bf16 pairs), which `kernels=\"auto\"` picks wherever it can be built.", ""]
+    lines += deterministic_section(res.get("deterministic"))
     if sc.get("grid"):
         ms, tok = scaling_tables(sc)
         have_png = plot(sc, png)

@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RESULTS = HERE / "results.json"
 PAGE = ROOT / "docs" / "benchmarks.md"
-PARTS = ["floors", "workloads", "profile", "scaling", "vllm"]
+PARTS = ["floors", "workloads", "profile", "scaling", "deterministic", "vllm"]
 LOGS = Path(tempfile.gettempdir()) / "qwen-npu-bench"          # each run's stderr
 PEERS = ROOT.parent / "shared" / "peers"
 VLLM_PY = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen-npu-peers" / "vllm" / "bin" / "python"
@@ -265,6 +265,9 @@ def main(argv=None) -> int:
             results["profile"] = part_profile(args.model)
         elif part == "scaling":
             results["scaling"] = part_scaling(args.model)
+        elif part == "deterministic":
+            from deterministic_cost import measure
+            results["deterministic"] = measure(model)
         save(results)
     from render_benchmarks import render
     png = args.page.parent / "bench" / "decode_scaling.png"           # the page links bench/decode_scaling.png

@@ -126,8 +126,11 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
   const int64_t splits = std::clamp<int64_t>((want + std::max<int64_t>(shape.rows, 1) - 1) / std::max<int64_t>(shape.rows, 1),
                                              1, g.KV);
   std::vector<Item> items;
+  // Invariant: a decode token is a tile of one, so that a position meets one computation in
+  // every kind of step. A query row's sums in a tile are its own (the other rows of the tile only
+  // add chunks wholly masked for it, exact no-ops), so a token's bits do not depend on its tile.
   for (int64_t r = 0; r < shape.rows; ++r) {
-    if (qsl[r + 1] - qsl[r] == 1) {
+    if (qsl[r + 1] - qsl[r] == 1 && !(shape.invariant && blocked)) {
       for (int64_t s = 0; s < splits; ++s)
         items.push_back({r, qsl[r], qsl[r] + 1, g.KV * s / splits, g.KV * (s + 1) / splits});
       continue;
@@ -150,7 +153,7 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
         for (int64_t j = 0, p0 = b * g.BS; j < g.BS && p0 + j < n; ++j) pos[p0 + j] = base + j * g.pos_stride();
       }
       const int64_t off = it.t0 * g.H * g.D + it.kvh0 * g.G * g.D;
-      if (it.t1 - it.t0 == 1)
+      if (it.t1 - it.t0 == 1 && !(shape.invariant && blocked))
         attend_token(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1, scale, g, o + off, work);
       else if (!bf16_tile(shape.bf16_dot, q + off, kc, vc, pos.data(), it.t1 - it.t0, first_visible, it.kvh0,
                           scale, g, o + off))

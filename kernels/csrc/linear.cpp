@@ -15,6 +15,10 @@
 //                                 transposed into an fp32 block [KC][16] (in L1), then group16
 //                                 broadcasts each x value against 16 outputs, 6 x rows at a time:
 //                                 compute bound.
+//
+// The three sum a row's products in different orders. panel_rows == 0 runs "dots" for every M:
+// each output is one 8-lane accumulation along k and one horizontal sum, whatever the number of
+// rows (batch invariance, kernels/invariant.py).
 #include "vec.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -200,6 +204,7 @@ void linear_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t pan
 
 template <typename W>
 void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows) {
+  if (panel_rows == 0) return linear_dots(x, M, K, w, 0, N, y);    // one reduction order for every M
   if (M == 1 && panel_rows > 1) return linear_row(x, K, w, N, y);
   int64_t done = 0;
   if (M >= panel_rows && K % 8 == 0 && N >= 16) {

@@ -157,6 +157,7 @@ std::tuple<double, double> fma_peak(int64_t kind, int64_t iters);
 struct AttentionShape {
   int64_t rows, heads, kv_heads, head_dim, block_size, max_blocks;
   bool bf16_dot = false;      // prefill tiles of bf16 caches on AVX512-BF16 (attention_bf16.cpp)
+  bool invariant = false;     // every token through the tile loop, decode tokens too (batch invariance)
 };
 template <typename S>
 void attention_kernel(const S* query, const S* key_cache, const S* value_cache, const int32_t* block_tables,

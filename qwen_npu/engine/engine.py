@@ -8,8 +8,8 @@ from ..cache.kv_cache import KVCache
 from ..cache.ledger import SlotLedger
 from ..cache.manager import KVCacheManager
 from ..config import SessionConfig
+from ..kernels.invariant import BatchInvariant
 from ..model.qwen3 import Qwen3Model
-from .deterministic import TokenByTokenRunner
 from .transaction import StepDraft
 from .faults import FaultEmulator
 from .hooks import StepHooks
@@ -37,8 +37,11 @@ class Engine:
             max_blocks=config.max_blocks_per_seq, vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
             hidden_dtype=model.dtype, device=device,
             max_logits=config.max_batch * (1 + config.num_speculative_tokens))
-        runner = TokenByTokenRunner if config.deterministic else ModelRunner
-        self.runner = runner(model, self.kv_cache, self.buffers, sync_timings=config.sync_timings)
+        if config.deterministic != isinstance(model.kernels, BatchInvariant):
+            raise ValueError(f"SessionConfig.deterministic is {config.deterministic} but the model's "
+                             f"kernels are {model.kernels!r}: a deterministic Session's model runs "
+                             "BatchInvariant kernels (kernels/invariant.py), and only it does")
+        self.runner = ModelRunner(model, self.kv_cache, self.buffers, sync_timings=config.sync_timings)
         # None, or the step hooks of the open captures and interventions (engine/hooks.py)
         self.hook: StepHooks | None = None
         self.branches = None       # the Sessions sharing this engine after a fork (session_fork.py)

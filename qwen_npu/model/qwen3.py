@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels import onednn
+from ..kernels.invariant import BatchInvariant
 from ..kernels.metadata import AttentionMetadata
 from .arena import concat_rows
 from .hooks import ForwardHook, LayerPoints
@@ -161,7 +162,8 @@ class Qwen3Model:
         h = tap("final_norm", h)
         if hidden_out is not None:
             hidden_out.copy_(h)
-        if logits_out is not None and logits_out.dtype == h.dtype and not self.head.is_mkldnn:
+        if (logits_out is not None and logits_out.dtype == h.dtype and not self.head.is_mkldnn
+                and not isinstance(k_, BatchInvariant)):        # torch.mm rounds rows by their number
             logits = torch.mm(h, self.head.t(), out=logits_out)             # [rows_out, vocab]
         else:
             logits = linear(h, self.head)

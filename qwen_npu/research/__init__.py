@@ -5,6 +5,7 @@
     with sess.intervene(name, fn): ...                   intervene.py  edit an activation in flight
     child = sess.fork()                                  ../session_fork.py  branch with copy-on-write KV blocks
     qwen_npu.compare(a, b, requests)                     compare.py    the first place two sessions differ
+    qwen_npu.compare_batched(sess, request, others)      batch_compare.py  rounding or contamination in a batch
     logit_lens(sess, cap, request)                       lens.py       final norm + LM head on any residual
     direct_logit_attribution(sess, cap, request, t)      attribution.py  per head / MLP direct logit effects
     activation_patching(sess, clean, corrupted, t)       patching.py   clean -> corrupted, one slice at a time
@@ -14,6 +15,7 @@ Hook points and their shapes: ``sess.capture_names()`` and ``qwen_npu/model/qwen
 from .attention import AttentionPattern
 from .attribution import DLA_NAMES, LogitAttribution, direct_logit_attribution
 from .capture import Capture, CaptureRecord, CaptureSlice
+from .batch_compare import BatchDivergence, compare_batched
 from .capture_memory import CaptureEstimate
 from .compare import Divergence, DivergenceReport, compare
 from .intervene import Intervention, add, replace, scale, zero, zero_heads
@@ -24,6 +26,7 @@ from .reductions import mean_positions, norm, topk_logits
 __all__ = [
            "DLA_NAMES",
            "AttentionPattern",
+           "BatchDivergence",
            "Capture",
            "CaptureEstimate",
            "CaptureRecord",
@@ -32,6 +35,7 @@ __all__ = [
            "LogitLens",
            "PatchingResult",
            "activation_patching",
+           "compare_batched",
            "direct_logit_attribution",
            "logit_lens",
            "mean_positions",

@@ -11,6 +11,7 @@ from .. import device as devices
 from ..cache.kv_cache import bytes_per_block
 from ..config import ModelConfig, SessionConfig, device_outputs_default, sync_timings_default
 from ..kernels import get_kernels
+from ..kernels.invariant import BatchInvariant
 from ..model.loader import load_checkpoint, resolve_dtype
 from ..model.qwen3 import Qwen3Model
 from ..text.tokenizer import Tokenizer
@@ -35,6 +36,8 @@ def load_session(path, options: SessionOptions) -> tuple[Qwen3Model, SessionConf
     block_size = o.block_size or devices.default_block_size(dev)
     load_dtype = None if o.dtype == "auto" else o.dtype
     kernels = get_kernels(kernel_name)
+    if o.deterministic:
+        kernels = BatchInvariant(kernels)        # plain matrices: no prepare_weight
     # A set that holds the matrices in its own form gets plain tensors, not arena views: each
     # plain matrix is freed once its prepared form exists (an arena would keep its pages).
     prepares = getattr(kernels, "prepares_weights", lambda dtype: False)(resolve_dtype(load_dtype, mc))

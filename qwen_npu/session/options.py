@@ -54,7 +54,7 @@ class SessionOptions:
     kernels: str = _option("auto", '"auto" | "reference" | "npu" | "cpu" | "cuda" (see docs/api.md)')
     kv_memory: Any = _option(None, 'KV cache budget: bytes ("2GiB", "512MB", an int) or a fraction in (0, 1] '  # noqa: RUF009
                                    'of the memory free after loading; not with num_blocks')
-    deterministic: bool = _option(False, "one forward per token: results independent of batch and chunking")
+    deterministic: bool = _option(False, "batch-invariant kernels: results independent of batch and chunking")
     sync_timings: bool | None = _option(None, "end the prepare and forward phases at a device sync; "
                                               "None = QWEN_NPU_SYNC_TIMINGS, read now ('1' is on)")
     mixed_steps: bool = _option(False, "step()/generate() put decode rows and prefill chunks in one forward")

@@ -63,3 +63,17 @@ def test_deterministic_mode_is_in_the_config_and_keeps_transfers(ckpt):
     # the same steps, the same one token-id copy each, and no more h2d metadata than a batched step
     assert [(k, d2h) for k, _, d2h in out[True]] == [(k, d2h) for k, _, d2h in out[False]]
     assert all(0 < a[1] <= b[1] for a, b in zip(out[True], out[False]))
+
+
+def test_an_engine_refuses_a_deterministic_config_without_batch_invariant_kernels(ckpt):
+    from qwen_npu.engine.engine import Engine
+    from qwen_npu.session.steps import CallGate
+    sess = Session.from_pretrained(ckpt, device="cpu", kernels="reference", max_batch=4, block_size=4,
+                                   num_blocks=64, max_model_len=64)
+    import dataclasses
+    with pytest.raises(ValueError, match="BatchInvariant"):
+        Engine(sess._engine.model, dataclasses.replace(sess.config, deterministic=True), CallGate())
+    det = Session.from_pretrained(ckpt, device="cpu", kernels="reference", max_batch=4, block_size=4,
+                                  num_blocks=64, max_model_len=64, deterministic=True)
+    with pytest.raises(ValueError, match="BatchInvariant"):
+        Engine(det._engine.model, sess.config, CallGate())

@@ -56,7 +56,7 @@ CASES = {
     "prefix_cache": {"prefix_cache": True},
     "no_prefix_cache": {"prefix_cache": False},
     "preemption": {"num_blocks": 12},       # 48 slots: the four requests cannot all stay
-    "deterministic": {"deterministic": True},   # one forward per token, mixed steps included
+    "deterministic": {"deterministic": True},   # batch-invariant kernels, mixed steps included
 }
 
 

@@ -75,10 +75,11 @@ def test_any_number_of_drafts_keeps_the_streams(path, k):
     assert len(sess.speculation_stats().drafted) == k
 
 
-def test_deterministic_verification_gives_the_same_logits_bit_for_bit(path):
-    """With one forward per token, a verification row's logits at its last token are exactly the
-    logits of the plain decode step at that position, and every stream is identical."""
-    kw = dict(BASE, kernels="reference", deterministic=True)
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+def test_deterministic_verification_gives_the_same_logits_bit_for_bit(path, kernels):
+    """With batch-invariant kernels, a verification row's logits at its last token are exactly
+    the logits of the plain decode step at that position, and every stream is identical."""
+    kw = dict(BASE, kernels=kernels, deterministic=True)
     plain, _ = run(path, PROMPTS[:2], speculate=False, **kw)
     spec, _ = run(path, PROMPTS[:2], speculate=True, **kw)
     assert spec == plain

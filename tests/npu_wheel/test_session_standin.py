@@ -45,16 +45,15 @@ def stand_in(meta, signatures, monkeypatch):
     npu_k.warn_fallback.cache_clear()
 
 
-@pytest.mark.parametrize("options", [{}, {"deterministic": True}], ids=["batched", "deterministic"])
-def test_a_session_runs_the_npu_path_end_to_end_and_matches_the_reference(checkpoint, stand_in, options):
+def test_a_session_runs_the_npu_path_end_to_end_and_matches_the_reference(checkpoint, stand_in):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sess = open_session(checkpoint, "npu", **options)
+        sess = open_session(checkpoint, "npu")
         assert sess.config.kernels == "npu"
         got = forced_run(sess)
     fell_back = [str(w.message) for w in caught if "running the reference kernel" in str(w.message)]
     assert not fell_back, fell_back
-    assert_same_forced_runs(got, forced_run(open_session(checkpoint, "reference", **options)))
+    assert_same_forced_runs(got, forced_run(open_session(checkpoint, "reference")))
 
     ops = {c.op for c in stand_in.calls}
     assert ops == {"npu_scatter_pa_kv_cache", FIA, "npu_rms_norm", "npu_add_rms_norm", "npu_apply_rotary_pos_emb"}
@@ -63,12 +62,22 @@ def test_a_session_runs_the_npu_path_end_to_end_and_matches_the_reference(checkp
     assert all(int(k["block_table"].min()) >= 0 for k in paged)
     decode = [k for k in paged if k["actual_seq_lengths"] == list(range(1, len(k["actual_seq_lengths"]) + 1))]
     assert decode, "pure decode steps go through FIA"
-    if not options:
-        assert any(k.get("block_table") is None for k in fia), "the first, all-fresh prefill runs unpaged"
-        first_chunks = [k for k in paged if any(q - p < kv for p, q, kv in
-                                                zip([0, *k["actual_seq_lengths"]], k["actual_seq_lengths"],
-                                                    k["actual_seq_lengths_kv"]) if q - p > 1)]
-        assert first_chunks, "a prefill chunk over a cached context runs paged"
+    assert any(k.get("block_table") is None for k in fia), "the first, all-fresh prefill runs unpaged"
+    first_chunks = [k for k in paged if any(q - p < kv for p, q, kv in
+                                            zip([0, *k["actual_seq_lengths"]], k["actual_seq_lengths"],
+                                                k["actual_seq_lengths_kv"]) if q - p > 1)]
+    assert first_chunks, "a prefill chunk over a cached context runs paged"
+
+
+def test_deterministic_on_the_npu_set_runs_the_pure_torch_batch_invariant_form(checkpoint, stand_in):
+    """The fused ops promise no batch invariance, so a deterministic npu Session calls none of
+    them: it runs the reference set's invariant form on its device, the reference Session's bits."""
+    sess = open_session(checkpoint, "npu", deterministic=True)
+    assert sess.config.kernels == "npu" and repr(sess._engine.model.kernels) == "BatchInvariant('npu')"
+    got = forced_run(sess)
+    assert stand_in.calls == []
+    want = forced_run(open_session(checkpoint, "reference", deterministic=True))
+    assert_same_forced_runs(got, want)
 
 
 def test_mixed_steps_match_the_reference(checkpoint, stand_in):
