@@ -76,6 +76,12 @@ def step_to_dict(step, *, logits_topk: int = 0) -> dict:
     }
     if getattr(step, "row_kinds", None):
         d["row_kinds"] = list(step.row_kinds)
+    drafts = getattr(step, "drafts", None)
+    if drafts:                                   # a verification step: per request, its drafts and their fate
+        d["drafts"] = [[rid, list(ts)] for rid, ts in drafts.items()]
+        if step.accepted:
+            d["accepted"] = [[rid, int(n)] for rid, n in step.accepted.items()]
+            d["rolled_back"] = [[rid, [int(s) for s in slots]] for rid, slots in step.rolled_back.items()]
     if getattr(step, "block_size", None):
         d["block_size"] = int(step.block_size)
     if getattr(step, "cache_usage", None):
@@ -119,6 +125,16 @@ def dump_session(sess, path, steps=None, *, logits_topk: int = 0) -> Path:
     return write_dump(path, [step_to_dict(s, logits_topk=logits_topk) for s in chosen], session_meta(sess))
 
 
+def _pairs(value, name: str, number: int, where: str) -> dict | None:
+    """A [[request id, value], ...] field as {request id: value}; None when absent."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) for p in value):
+        raise InvalidRequestError(f"{where}: step #{number} field {name!r} must be [[request id, value], ...], "
+                                  f"got {value!r}")
+    return {p[0]: p[1] for p in value}
+
+
 @dataclasses.dataclass(frozen=True)
 class DumpStep:
     """One step read back from a dump (plain lists; optional fields None when absent)."""
@@ -135,6 +151,9 @@ class DumpStep:
     input_ids: list[int] | None = None
     token_ids: list[int] | None = None
     row_kinds: list[str] | None = None     # per row "decode" | "prefill" (always there for "mixed")
+    drafts: dict | None = None             # a verification step's: request id -> its drafts
+    accepted: dict | None = None           # request id -> drafts kept (after sampling)
+    rolled_back: dict | None = None        # request id -> the slots of its rejected drafts
     raw: dict = dataclasses.field(default_factory=dict, repr=False)   # every field as stored
 
     @property
@@ -161,12 +180,13 @@ class DumpStep:
         if kinds is not None and any(k not in ("decode", "prefill") for k in kinds):
             raise InvalidRequestError(f"{where}: step #{number}: row_kinds holds {kinds!r}; "
                                       f"each must be 'decode' or 'prefill'")
+        spec = {name: _pairs(d.get(name), name, number, where) for name in ("drafts", "accepted", "rolled_back")}
         return cls(kind=d["kind"], index=int(d.get("index", number)), slot_mapping=list(d["slot_mapping"]),
                    block_tables=[list(r) for r in d["block_tables"]], query_lens=list(qls),
                    num_active=int(d.get("num_active", rows)),
                    request_ids=list(d.get("request_ids") or range(rows)),
                    positions=d.get("positions"), seq_lens=d.get("seq_lens"), input_ids=d.get("input_ids"),
-                   token_ids=d.get("token_ids"), row_kinds=kinds, raw=d)
+                   token_ids=d.get("token_ids"), row_kinds=kinds, **spec, raw=d)
 
     def check(self, block_size: int, num_blocks: int | None = None) -> SlotReport:
         """``check_slot_mapping`` on this step (rows at and past ``num_active`` are padding)."""
@@ -181,6 +201,10 @@ class DumpStep:
         if self.kind == "mixed":
             d = self.row_kinds.count("decode")
             kind = f"mixed: {d} decode, {len(self.row_kinds) - d} prefill"
+        if self.drafts:
+            n = sum(len(v) for v in self.drafts.values())
+            kept = "" if self.accepted is None else f", {sum(self.accepted.values())} kept"
+            kind += f": {n} draft{'s' * (n != 1)}{kept}"
         recorded = self.raw.get("request_ids") if self.raw else self.request_ids
         who = f"requests {list(recorded[:self.num_active])}" if recorded else "no request ids recorded"
         padding = self.batch_size - self.num_active

@@ -13,6 +13,8 @@ Invariants and boundaries:
   still physically holds the last K/V written there until someone overwrites it, and the ledger
   describes the cache, not ownership. Whether a recorded write is still *live* (its request still
   holds that slot) is the caller's question — see `check_step_writes(..., is_live=...)`.
+- A draft that verification rejected stays the slot's last write, marked by `roll_back` with
+  the step that gave it back (`SlotWrite.rolled_back_in`), until the slot is written again.
 - If one `record` call writes a slot more than once (two rows of one step on one slot), that is a
   collision: it is remembered in `collisions` (the most recent `max_collisions`), and the write of
   the later row is kept as `last` (the order the rows were given; on a device the winner of
@@ -27,11 +29,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SlotWrite:
-    """One token's K/V written into a slot: request `request_id`, token `position`, at step `step`."""
+    """One token's K/V written into a slot: request `request_id`, token `position`, at step `step`.
+    `rolled_back_in`: the step whose sample rejected it, when the write was a draft given back
+    (the slot still holds its K/V, which no request reads)."""
 
     request_id: int
     position: int
     step: int
+    rolled_back_in: int | None = None
+
+    def describe(self) -> str:
+        """"request 3 at position 17 (step 5)", with ", a rejected draft rolled back in step 5"."""
+        back = f", a rejected draft rolled back in step {self.rolled_back_in}" if self.rolled_back_in is not None else ""
+        return f"request {self.request_id} at position {self.position} (step {self.step}{back})"
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,7 @@ class SlotLedger:
         self.history_len = history
         self._writes: dict[int, deque[tuple[int, int, int]]] = {}  # slot -> (request_id, position, step)
         self._collisions: deque[SlotCollision] = deque(maxlen=max_collisions)
+        self._rolled_back: dict[int, int] = {}   # slot -> the step that rejected its last write (a draft)
         self.num_collisions = 0  # all collisions ever recorded, also those dropped from `collisions`
         self.last_step: int | None = None
 
@@ -125,8 +136,9 @@ class SlotLedger:
 
     def apply(self, writes: LedgerWrites) -> None:
         """Record prepared writes: appends and assignments only."""
-        store, history = self._writes, self.history_len
+        store, history, back = self._writes, self.history_len, self._rolled_back
         for slot, entry in writes.entries:
+            back.pop(slot, None)
             q = store.get(slot)
             if q is None:
                 q = store[slot] = deque(maxlen=history)
@@ -135,9 +147,21 @@ class SlotLedger:
         self._collisions.extend(writes.collisions)
         self.num_collisions += len(writes.collisions)
 
+    def roll_back(self, slots: Sequence[int], step: int) -> None:
+        """Mark the last writes of ``slots`` (drafts that step ``step`` rejected) as given back:
+        assignments only."""
+        for slot in slots:
+            if slot in self._writes:
+                self._rolled_back[slot] = step
+
+    def rolled_back(self) -> dict[int, int]:
+        """slot -> the step that rejected its last write, for every slot whose last write is a
+        rejected draft (a copy)."""
+        return dict(self._rolled_back)
+
     def last(self, slot: int) -> SlotWrite | None:
         entry = self._writes.get(slot)
-        return SlotWrite(*entry[-1]) if entry else None
+        return SlotWrite(*entry[-1], self._rolled_back.get(slot)) if entry else None
 
     def last_raw(self, slot: int) -> tuple[int, int, int] | None:
         """`last` as a plain (request_id, position, step) tuple: the per-token fast path for checks."""
@@ -145,8 +169,11 @@ class SlotLedger:
         return entry[-1] if entry else None
 
     def history(self, slot: int) -> tuple[SlotWrite, ...]:
-        """The last `history` writes of `slot`, oldest first."""
-        return tuple(SlotWrite(*w) for w in self._writes.get(slot, ()))
+        """The last `history` writes of `slot`, oldest first (the last one marked if rolled back)."""
+        writes = [SlotWrite(*w) for w in self._writes.get(slot, ())]
+        if writes and slot in self._rolled_back:
+            writes[-1] = SlotWrite(*self._writes[slot][-1], self._rolled_back[slot])
+        return tuple(writes)
 
     @property
     def collisions(self) -> list[SlotCollision]:
@@ -166,6 +193,7 @@ class SlotLedger:
     def reset(self) -> None:
         """Forget everything (the cache was cleared, e.g. `Session.reset()`)."""
         self._writes.clear()
+        self._rolled_back.clear()
         self._collisions.clear()
         self.num_collisions = 0
         self.last_step = None

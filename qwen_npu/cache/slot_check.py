@@ -322,6 +322,8 @@ def _describe(check, slot, idx, ctx) -> SlotProblem:
                 f"{last.position} (written in step {last.step})")
     if last is not None and check != "live_overwrite":
         text += f", last written by request {last.request_id} at position {last.position}"
+        if last.rolled_back_in is not None:
+            text += f" (a rejected draft, rolled back in step {last.rolled_back_in})"
     return SlotProblem(check, slot, block, offset, rows, reqs, header + text, pos)
 
 

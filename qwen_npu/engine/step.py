@@ -48,6 +48,7 @@ class Sampled:
     d2h: int
     seconds: float
     accepted: dict | None = None          # a verify step's: request id -> drafts kept (verify.py)
+    rolled_back: tuple = ()               # a verify step's: the slots of its rejected drafts
 
 
 @dataclasses.dataclass
@@ -88,6 +89,8 @@ def commit(engine, c: Commit, *, undo: bool = False) -> None:
         step.timings["sample"] = s.seconds
         if s.accepted is not None:
             step.accepted = s.accepted
+        if s.rolled_back:
+            engine.ledger.roll_back(s.rolled_back, step.index)
         engine.buffers.publish("sample")
     sess = c.session
     if c.requests:

@@ -91,7 +91,8 @@ def sample_verified(step, draft, generators: dict, buffers) -> dict:
     fault_point("d2h")
     tokens, codes, lps = unpack(host)
     tokens = tokens.tolist()
-    accepted, j = {}, 0
+    accepted, rolled_back, j = {}, [], 0
+    ends = {row: b for row, _, b in plan.row_slices()}
     for row_index, group in itertools.groupby(plan.logits_rows):
         n = len(list(group))
         row, req = plan.rows[row_index], reqs[j]
@@ -108,6 +109,8 @@ def sample_verified(step, draft, generators: dict, buffers) -> dict:
             draft.stage_token(req, ys[kept])
         rollback(draft, req, row, kept)
         accepted[req.id] = kept
+        end = ends[row_index]
+        rolled_back += [s for s in plan.slot_mapping[end - len(row.drafts) + kept:end] if s >= 0]
     fault_point("staged")
     health, seen = [], set()                      # (request id, health code), once per request
     for r, c in zip(reqs, codes):
@@ -115,7 +118,8 @@ def sample_verified(step, draft, generators: dict, buffers) -> dict:
             seen.add(r.id)
             health.append((r.id, c))
     return {"tokens": torch.tensor(tokens, dtype=torch.int64), "ids": ids, "health": health,
-            "h2d": h2d + h2d_mask, "d2h": host.nbytes, "seconds": time.perf_counter() - t0, "accepted": accepted}
+            "h2d": h2d + h2d_mask, "d2h": host.nbytes, "seconds": time.perf_counter() - t0, "accepted": accepted,
+            "rolled_back": tuple(rolled_back)}
 
 
 def rollback(draft, req, row, kept: int) -> None:

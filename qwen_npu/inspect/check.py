@@ -8,7 +8,7 @@
     slots        no slot holds two live (request, position) pairs: a block shared by two tables sits
                  at the same table index with the same tokens before it (a prefix block); every live
                  token's slot was last written by that token (or the identical token of a prefix
-                 sharer) according to the ledger
+                 sharer) according to the ledger, and not as a draft that verification rejected
     collisions   every step that wrote one slot more than once, as the ledger recorded it
     values       no NaN or inf in the K/V of any live slot (checked on the device; one small copy)
 
@@ -184,6 +184,7 @@ def _slots(manager, ledger, requests) -> tuple[list[str], dict[int, tuple[int, i
     bs = manager.block_size
     holders: dict[int, list[tuple[int, int]]] = {}      # block -> [(request, table index)]
     running = [r for r in requests.values() if r.status in RUNNING and manager.has(r.id)]
+    rejected = ledger.rolled_back()                      # slot -> the step that rejected its last write
     for req in running:
         table = manager.block_table(req.id)
         n = min(req.num_computed_tokens, len(table) * bs)
@@ -221,6 +222,10 @@ def _slots(manager, ledger, requests) -> tuple[list[str], dict[int, tuple[int, i
                            f"{last[1]} in step {last[2]}: request {req.id} now reads another token's K/V")
             elif last[0] != req.id:
                 others.setdefault(last[0], []).append(p)
+            elif slot in rejected:
+                out.append(f"request {req.id} position {p} lives in slot {slot} (block {slot // bs}, offset "
+                           f"{slot % bs}), whose last write is its draft that step {rejected[slot]} rejected: "
+                           f"the rollback left a rejected draft in the request's context")
         for wid, positions in others.items():            # same position: the tokens before it must agree
             writer = requests.get(wid)
             k = None if writer is None else _first_difference(writer.all_token_ids, req.all_token_ids,

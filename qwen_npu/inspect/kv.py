@@ -40,6 +40,7 @@ class SlotInfo:
                                                    # computed token lives here now
     collisions: tuple[SlotCollision, ...] = ()     # steps that wrote this slot more than once
     faults: tuple[str, ...] = ()                   # EMULATED faults applied to this slot
+    rolled_back_in: int | None = None              # the last write was a draft this step rejected
 
     @property
     def is_live(self) -> bool:
@@ -52,6 +53,8 @@ class SlotInfo:
             last = "never written"
         else:
             last = f"request {self.request_id} at position {self.position}, step {self.written_at_step}"
+            if self.rolled_back_in is not None:
+                last += f" (a rejected draft, rolled back in step {self.rolled_back_in}: no request reads it)"
         held = ", ".join(f"request {r} @ {p}" for r, p in self.held_by) or "nobody (not a live token)"
         lines = [head, f"  last write: {last}", f"  held by:    {held}"]
         if self.history:
@@ -147,7 +150,8 @@ class KVView:
         found = tuple(str(f) for f in faults.applied if f.slot == slot) if faults is not None else ()
         return SlotInfo(slot, block, offset, last.request_id if last else None, last.position if last else None,
                         last.step if last else None, ledger.history(slot), held,
-                        tuple(c for c in ledger.collisions if c.slot == slot), found)
+                        tuple(c for c in ledger.collisions if c.slot == slot), found,
+                        last.rolled_back_in if last else None)
 
     def _layer(self, layer) -> int:
         layer = _index(layer, "layer")

@@ -77,6 +77,8 @@ class RowSnapshot:
     block_table: tuple[int, ...]   # without the -1 padding
     seq_len: int
     token_id: int | None           # the token sampled for this row (None: not sampled, or no logits)
+    drafts: tuple[int, ...] = ()   # the drafts a verification row tests after its last token
+    accepted: int | None = None    # how many of them the sample kept (None: not sampled, or no drafts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,7 @@ class StepSnapshot:
     block_size: int | None
     cache_usage: tuple[tuple[str, int], ...] = ()
     row_kinds: tuple[str, ...] = ()   # per row "decode" | "prefill" (a mixed step has both)
+    rolled_back: tuple[tuple[int, tuple[int, ...]], ...] = ()   # (request id, slots given back) after sampling
 
     def row_kind(self, row: int) -> str:
         """The kind of row ``row``: its own in a mixed step, else the step's."""
@@ -194,14 +197,17 @@ def take_step(step, block_size: int | None = None) -> StepSnapshot:
     tokens: dict[int, int] = {}
     if step.token_ids is not None:
         tokens = dict(zip(step.logits_request_ids, (int(t) for t in step.token_ids.tolist())))
+    drafts, accepted = getattr(step, "drafts", {}), getattr(step, "accepted", {})
     rows, t = [], 0
     for r, q in enumerate(qlens):
         rid, padding = int(step.request_ids[r]), r >= num_active
+        mine = () if padding else tuple(drafts.get(rid, ()))
         rows.append(RowSnapshot(r, rid, padding, tuple(int(p) for p in pos[t:t + q]),
                                 tuple(int(s) for s in slots[t:t + q]),
                                 tuple(int(b) for b in tables[r] if b >= 0) if r < len(tables) else (),
                                 int(seq_lens[r]) if r < len(seq_lens) else 0,
-                                None if padding else tokens.get(rid)))
+                                None if padding else tokens.get(rid), mine,
+                                accepted.get(rid) if mine else None))
         t += q
     state = logits_state(step.logits)
     if state == "none" and step.host_logits is not None and step.host_logits.numel():
@@ -216,7 +222,8 @@ def take_step(step, block_size: int | None = None) -> StepSnapshot:
         tuple((k, int(v)) for k, v in step.transfers.items()),
         tuple(f"request {rid}: {why}" for rid, why in getattr(step, "health", ())),
         tuple(str(p) for p in getattr(step, "slot_problems", ())), bs or None,
-        tuple((k, int(v)) for k, v in usage.items()), tuple(getattr(step, "row_kinds", None) or ()))
+        tuple((k, int(v)) for k, v in usage.items()), tuple(getattr(step, "row_kinds", None) or ()),
+        tuple((rid, tuple(s)) for rid, s in sorted(getattr(step, "rolled_back", {}).items())))
 
 
 def take_session(sess) -> SessionSnapshot:

@@ -37,8 +37,21 @@ def _rows_note(s: StepSnapshot) -> str:
 
 
 def _row_tag(s: StepSnapshot, r) -> str:
-    """" (decode)" / " (prefill)" after a row's request in a mixed step; nothing otherwise."""
-    return f" ({s.row_kind(r.row)})" if s.kind == "mixed" else ""
+    """" (decode)" / " (prefill)" after a row's request in a mixed step, " (3 drafts, 1 kept)" after
+    a verification row; nothing otherwise."""
+    tag = f" ({s.row_kind(r.row)})" if s.kind == "mixed" else ""
+    return tag + (f" ({_drafts_note(r)})" if r.drafts else "")
+
+
+def _drafts_note(r) -> str:
+    n = len(r.drafts)
+    kept = "not sampled yet" if r.accepted is None else f"{r.accepted} kept"
+    return f"{n} draft{'s' * (n != 1)} {list(r.drafts)}, {kept}"
+
+
+def _rolled_back_lines(s: StepSnapshot) -> list[str]:
+    return [f"request {rid}: slots {h.runs(slots)} given back (rejected drafts)" for rid, slots in s.rolled_back
+            if slots]
 
 
 def step_summary_text(s: StepSnapshot) -> str:
@@ -78,6 +91,7 @@ def step_text(s: StepSnapshot) -> str:
     if dup:
         lines.append("  slots written by more than one row: "
                      + "; ".join(f"{slot} (rows {', '.join(map(str, rows))})" for slot, rows in list(dup.items())[:8]))
+    lines += [f"  rolled back: {line}" for line in _rolled_back_lines(s)]
     lines += [f"  problem: {p}" for p in s.slot_problems[:8]]
     lines += [f"  health: {p}" for p in s.health]
     return "\n".join(lines)
@@ -95,6 +109,8 @@ def step_html(s: StepSnapshot) -> str:
         who = h.request_chip(r.request_id) + (' <span style="color:#cf222e">padding</span>' if r.padding else "")
         if s.kind == "mixed":
             who += " " + h.muted(s.row_kind(r.row))
+        if r.drafts:
+            who += " " + h.muted(_drafts_note(r))
         token = h.muted("-") if r.token_id is None else h.esc(r.token_id)
         rows.append((str(r.row), who, h.esc(h.runs(r.positions) if len(r.positions) < 4
                                             else f"{r.positions[0]}..{r.positions[-1]}"),
@@ -111,6 +127,9 @@ def step_html(s: StepSnapshot) -> str:
     if usage:
         body += "<div>" + h.fields([("cache after the step",
                                       h.esc(", ".join(f"{v} {k}" for k, v in usage.items())))]) + "</div>"
+    back = _rolled_back_lines(s)
+    if back:
+        body += "<div>" + h.fields([("rolled back", h.esc("; ".join(back)))]) + "</div>"
     if dup:
         body += h.bad_line(f"{len(dup)} slot{'s' * (len(dup) != 1)} written by more than one row in this step")
     if s.slot_problems:

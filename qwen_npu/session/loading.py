@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from .. import device as devices
 from ..cache.kv_cache import bytes_per_block
 from ..config import ModelConfig, SessionConfig, device_outputs_default, sync_timings_default
+from ..errors import InvalidRequestError
 from ..kernels import get_kernels
 from ..kernels.invariant import BatchInvariant
 from ..model.loader import load_checkpoint, resolve_dtype
@@ -35,12 +38,18 @@ def load_session(path, options: SessionOptions) -> tuple[Qwen3Model, SessionConf
     max_model_len = o.max_model_len or min(mc.max_position_embeddings, 8192)
     block_size = o.block_size or devices.default_block_size(dev)
     load_dtype = None if o.dtype == "auto" else o.dtype
+    dtype = resolve_dtype(load_dtype, mc)
+    if kernel_name == "cpu" and dtype not in (torch.bfloat16, torch.float32):
+        if o.kernels != "auto":
+            raise InvalidRequestError(f"kernels='cpu' runs bfloat16 and float32 models, not {dtype} ({path}); "
+                                      f"load it with dtype='bfloat16' or 'float32', or use kernels='reference'")
+        kernel_name = "reference"                # "auto": the set that runs float16 on the CPU
     kernels = get_kernels(kernel_name)
     if o.deterministic:
         kernels = BatchInvariant(kernels)        # plain matrices: no prepare_weight
     # A set that holds the matrices in its own form gets plain tensors, not arena views: each
     # plain matrix is freed once its prepared form exists (an arena would keep its pages).
-    prepares = getattr(kernels, "prepares_weights", lambda dtype: False)(resolve_dtype(load_dtype, mc))
+    prepares = getattr(kernels, "prepares_weights", lambda dtype: False)(dtype)
     _, weights = load_checkpoint(path, dtype=load_dtype, device=dev, arena=not prepares)
     model = Qwen3Model(mc, weights, kernels, max_positions=max_model_len, consume=prepares)
     del weights

@@ -321,3 +321,14 @@ def test_a_refused_generate_on_a_fork_leaves_it_as_it_was(tiny_ckpt_small_vocab)
         sess.step()
     (done,) = child.generate([list(range(30, 40))], greedy(4), progress=False)
     assert len(done.token_ids) == 4 and [r.id for r in child.requests if r.status == "waiting"] == []
+
+
+@pytest.mark.skipif(not __import__("qwen_npu.kernels.cpu", fromlist=["available"]).available(),
+                    reason="the cpu kernel set cannot be built here")
+def test_float16_with_the_cpu_set_is_refused_at_load_and_auto_takes_the_reference_set(tiny_ckpt_small_vocab):
+    with pytest.raises(InvalidRequestError, match="kernels='cpu' runs bfloat16 and float32 models, not torch.float16"):
+        Session.from_pretrained(tiny_ckpt_small_vocab, device="cpu", kernels="cpu", dtype="float16")
+    sess = Session.from_pretrained(tiny_ckpt_small_vocab, device="cpu", kernels="auto", dtype="float16")
+    assert sess.config.kernels == "reference" and sess.model.dtype == torch.float16
+    out = sess.generate([prompts([4])[0]], greedy(2), progress=False)
+    assert len(out[0].token_ids) == 2

@@ -99,3 +99,18 @@ def test_bad_input_is_refused():
         ledger.record(1, [16], [1], [0])
     with pytest.raises(ValueError):
         SlotLedger(16, history=0)
+
+
+def test_a_rolled_back_write_is_marked_until_the_slot_is_written_again():
+    ledger = SlotLedger(16)
+    ledger.record(1, [4, 5, 6], [3, 3, 3], [10, 11, 12])
+    ledger.roll_back([5, 6, 9], step=1)                  # 9 was never written: nothing to mark
+    assert ledger.rolled_back() == {5: 1, 6: 1}
+    assert ledger.last(5) == SlotWrite(3, 11, 1, rolled_back_in=1) and ledger.last(4).rolled_back_in is None
+    assert ledger.history(6)[-1].rolled_back_in == 1
+    assert "a rejected draft rolled back in step 1" in ledger.last(6).describe()
+    ledger.record(2, [5], [3], [11])                    # the position computed again, same slot
+    assert ledger.rolled_back() == {6: 1} and ledger.last(5) == SlotWrite(3, 11, 2)
+    assert ledger.history(5) == (SlotWrite(3, 11, 1), SlotWrite(3, 11, 2))
+    ledger.reset()
+    assert ledger.rolled_back() == {}
