@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RESULTS = HERE / "results.json"
 PAGE = ROOT / "docs" / "benchmarks.md"
-PARTS = ["floors", "workloads", "profile", "scaling", "deterministic", "vllm"]
+PARTS = ["floors", "workloads", "profile", "scaling", "deterministic", "speculative", "vllm"]
 LOGS = Path(tempfile.gettempdir()) / "qwen-npu-bench"          # each run's stderr
 PEERS = ROOT.parent / "shared" / "peers"
 VLLM_PY = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen-npu-peers" / "vllm" / "bin" / "python"
@@ -268,6 +268,9 @@ def main(argv=None) -> int:
         elif part == "deterministic":
             from deterministic_cost import measure
             results["deterministic"] = measure(model)
+        elif part == "speculative":
+            from speculative_cost import measure as measure_speculation
+            results["speculative"] = measure_speculation(model)
         save(results)
     from render_benchmarks import render
     png = args.page.parent / "bench" / "decode_scaling.png"           # the page links bench/decode_scaling.png
