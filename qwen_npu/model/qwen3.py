@@ -122,6 +122,7 @@ class Qwen3Model:
         t = input_ids.shape[0]
         eps = c.rms_norm_eps
         tap = tap_for(hook, k_.rms_norm, eps)           # one call per hook point; a no-op without a hook
+        invariant = isinstance(k_, BatchInvariant)     # then the scores hook point is built per token too
         x = tap("embed", F.embedding(input_ids, self.embed))              # [tokens, hidden]
         cos, sin = self.cos[meta.positions], self.sin[meta.positions]     # [tokens, head_dim]
         residual = None
@@ -148,7 +149,7 @@ class Qwen3Model:
             key_cache, value_cache = kv_caches[i]
             k_.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
             attn = k_.paged_attention(q, key_cache, value_cache, meta, self.scale)   # [tokens, heads, hd]
-            tap.read(p.scores, attention_scores, q, key_cache, meta, self.scale)     # built only when wanted
+            tap.read(p.scores, attention_scores, q, key_cache, meta, self.scale, invariant)   # only when wanted
             attn = tap(p.z, attn)
             x = tap(p.attn_out, linear(attn.reshape(t, self.qkv_sizes[0]), layer.o))   # [tokens, hidden]
             h, residual = k_.add_rms_norm(x, residual, layer.post_norm, eps)
@@ -163,7 +164,7 @@ class Qwen3Model:
         if hidden_out is not None:
             hidden_out.copy_(h)
         if (logits_out is not None and logits_out.dtype == h.dtype and not self.head.is_mkldnn
-                and not isinstance(k_, BatchInvariant)):        # torch.mm rounds rows by their number
+                and not invariant):                            # torch.mm rounds rows by their number
             logits = torch.mm(h, self.head.t(), out=logits_out)             # [rows_out, vocab]
         else:
             logits = linear(h, self.head)

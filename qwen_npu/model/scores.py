@@ -9,6 +9,8 @@ of the step (tokens ``query_start_loc[r]:query_start_loc[r+1]``, context ``seq_l
 keys ``j`` run over 0..the step's longest context - 1, read through the row's block table
 (position p -> block table[p // block_size], offset p % block_size). float32, [tokens, heads, keys].
 Costs one gather of the row's keys and one batched matmul; never runs without a hook.
+``per_token=True`` (a batch-invariant Session's): one product per token over exactly its own
+positions ``0..p``, so a token's scores do not depend on its chunk or its batch.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from ..kernels.metadata import AttentionMetadata
 
 
 def attention_scores(q: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float) -> torch.Tensor:
+                     scale: float, per_token: bool = False) -> torch.Tensor:
     """q [tokens, heads, hd] (after RoPE), key_cache [blocks, block_size, kv_heads, hd] with this
     step's keys written -> scores [tokens, heads, max context] float32 (see module docstring)."""
     tokens, heads, _ = q.shape
@@ -34,6 +36,12 @@ def attention_scores(q: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMe
         k = key_cache[blocks].flatten(0, 1)[:ctx].float()                    # [ctx, kv_heads, hd]
         k = k.repeat_interleave(group, dim=1)                                 # [ctx, heads, hd]
         qs = q[start:start + q_len].float()                                   # [q_len, heads, hd]
+        if per_token:
+            for i in range(q_len):
+                seen = ctx - q_len + i + 1                                    # positions 0..p
+                out[start + i, :, :seen] = torch.einsum("qhd,khd->qhk", qs[i:i + 1], k[:seen])[0] * scale
+            start += q_len
+            continue
         s = torch.einsum("qhd,khd->qhk", qs, k) * scale                       # [q_len, heads, ctx]
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         future = torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None]  # [q_len, ctx]

@@ -130,3 +130,26 @@ def test_without_deterministic_the_bits_differ(ckpt32, kernels):
     differ = [seed for seed in range(SCHEDULES) if differences(alone, run(ckpt32, kernels, schedule(seed),
                                                                                deterministic=False))]
     assert differ, "the ordinary kernels gave the lone run's bits in every schedule: the needle test proves nothing"
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_captures_are_invariant_too_the_attention_scores_included(ckpt32, kernels):
+    """The attn.scores point is built outside the kernel set; a batch-invariant Session builds it
+    one token at a time, so a token's scores do not depend on its chunk or neighbours."""
+    names = ["layers.0.attn.scores", "layers.1.mlp.out", "logits"]
+
+    def run_captured(chunk_size, neighbours):
+        sess = Session.from_pretrained(ckpt32, device="cpu", kernels=kernels, deterministic=True, block_size=4,
+                                       max_model_len=64, chunk_size=chunk_size, prefix_cache=False)
+        rng = random.Random(1)
+        for _ in range(neighbours):                  # older neighbours take the chunk budget first
+            sess.add_request(rng.choices(range(VOCAB), k=11), SamplingParams(max_new_tokens=2, ignore_eos=True))
+        mine = sess.add_request(needle(), SamplingParams(max_new_tokens=3, ignore_eos=True))
+        with sess.capture(names, requests=[mine]) as cap:
+            while not all(r.is_done for r in sess.requests):
+                sess.step()
+        return {n: cap.stack(n, mine) for n in names}
+
+    alone, batched = run_captured(64, 0), run_captured(7, 3)
+    for n in names:
+        assert torch.equal(alone[n], batched[n]), n
