@@ -28,6 +28,7 @@ shares the request's first blocks serves them in the batched run but not in the 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -71,7 +72,8 @@ def compare_batched(sess, request, neighbours, *, sampling=None, names=None) -> 
     """Run ``request`` alone, beside ``neighbours`` and beside perturbed neighbours in ``sess``
     and say whether and why its bits change (see the module docstring). ``request`` and each
     neighbour: a prompt or a (prompt, SamplingParams) pair; ``sampling`` applies to those
-    without. ``sess`` must be idle; it is reset before each run, and left reset."""
+    without. ``sess`` must be idle; it is reset before each run, and left reset (also when a run
+    fails or is interrupted)."""
     items = _items([request], sampling)
     others = _items(list(neighbours), sampling) if neighbours else []
     if not others:
@@ -88,21 +90,13 @@ def compare_batched(sess, request, neighbours, *, sampling=None, names=None) -> 
     shifted = [(_shift(ids, vocab), None, sp) for ids, _, sp in theirs]
     for ids, _, sp in shifted:
         sess._prepare(ids, sp)                 # a shifted prompt must be as valid as its original
-    sess.reset()
-    alone = sess._add(*mine)
-    cap_alone = _run(sess, [alone], names, forced=None)
+    try:
+        alone, cap_alone, runs = _three_runs(sess, mine, theirs, shifted, names)
+    except BaseException:                      # a failed run, or Ctrl-C: leave the session reset, as promised
+        with contextlib.suppress(Exception):
+            sess.reset()
+        raise
     tokens = [list(alone.output_token_ids)]
-    runs = []
-    for neighbour_prompts, forced_neighbours in ((theirs, None), (shifted, "batched")):
-        sess.reset()
-        req = sess._add(*mine)
-        near = [sess._add(*p) for p in neighbour_prompts]
-        forced = {req.id: tokens[0]}
-        if forced_neighbours:
-            forced.update({r.id: t for r, t in zip(near, runs[0][2])})
-        cap = _run_forced(sess, req, near, names, forced)
-        runs.append((req, cap, [list(r.output_token_ids) for r in near]))
-    sess.reset()
     (batched_req, cap_batched, _), (perturbed_req, cap_perturbed, _) = runs
     vs_batched = _diff(cap_alone, cap_batched, [alone], [batched_req], names, 0.0, 0.0, tokens)
     vs_perturbed = _diff(cap_batched, cap_perturbed, [batched_req], [perturbed_req], names, 0.0, 0.0, tokens)
@@ -110,6 +104,26 @@ def compare_batched(sess, request, neighbours, *, sampling=None, names=None) -> 
                else "contamination" if vs_perturbed.diverged else "rounding")
     return BatchDivergence(verdict, vs_batched.first, _margin(cap_alone, alone, vs_batched.first, names),
                            vs_perturbed.first, vs_batched, vs_perturbed, len(others))
+
+
+def _three_runs(sess, mine, theirs, shifted, names):
+    """Alone, batched, perturbed (module docstring), each after a reset; the session left reset."""
+    sess.reset()
+    alone = sess._add(*mine)
+    cap_alone = _run(sess, [alone], names, forced=None)
+    lone_tokens = list(alone.output_token_ids)
+    runs = []
+    for neighbour_prompts, forced_neighbours in ((theirs, False), (shifted, True)):
+        sess.reset()
+        req = sess._add(*mine)
+        near = [sess._add(*p) for p in neighbour_prompts]
+        forced = {req.id: lone_tokens}
+        if forced_neighbours:
+            forced.update({r.id: t for r, t in zip(near, runs[0][2])})
+        cap = _run_forced(sess, req, near, names, forced)
+        runs.append((req, cap, [list(r.output_token_ids) for r in near]))
+    sess.reset()
+    return alone, cap_alone, runs
 
 
 def _shift(ids: list[int], vocab: int) -> list[int]:

@@ -65,3 +65,22 @@ def test_bad_calls_are_refused_before_anything_runs(ckpt):
     with pytest.raises(InvalidRequestError):
         sess.abort(live) or compare_batched(sess, ([10**6], greedy(2)), neighbours)   # an id outside the vocabulary
     assert len(sess.requests) == 1
+
+
+def test_an_interrupted_comparison_leaves_the_session_reset_and_usable(ckpt, monkeypatch):
+    from qwen_npu.research import batch_compare
+    sess = session(ckpt)
+    request, neighbours = request_and_neighbours()
+    real, calls = batch_compare._run_forced, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 2:                       # in the perturbed run, after some steps of the batched one
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(batch_compare, "_run_forced", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        compare_batched(sess, request, neighbours)
+    assert list(sess.requests) == [] and list(sess.history) == []
+    monkeypatch.setattr(batch_compare, "_run_forced", real)
+    assert compare_batched(sess, request, neighbours).verdict == "rounding"
