@@ -90,6 +90,9 @@ PROGRAMS = {
     "abort": (KW, abort_calls),
     "preempt": (dict(KW, num_blocks=5, max_batch=2, chunk_size=16),
                 lambda: [add(P1, LONG), add(P3, LONG_SEEDED)] + steps(9)),
+    # batch-invariant kernels, their per-step index memo and mixed steps
+    "deterministic": (dict(KW, kernels="auto", deterministic=True, mixed_steps=True, chunk_size=6),
+                      lambda: [add(P1, GREEDY), on("sess", "step"), add(P2, SEEDED)] + steps(4)),
 }
 
 
