@@ -2,18 +2,18 @@
 // (AVX512-BF16: one vdpbf16ps multiplies 32 bf16 pairs and adds them, in pairs, into 16 fp32
 // lanes). The products are exact in fp32 and the sums fp32, as in torch's own bf16 product.
 //
-// The work is the "few rows" layout of linear.cpp without the widening: NR = 8 weight rows are
-// read once from memory, k in steps of 32, and dotted with up to MR = 3 x rows at a time (24
-// accumulators), every x row in turn while the 8 weight rows sit in L1. Memory bound for
+// The work is the "few rows" layout of linear.cpp without the widening: NR = 6 weight rows are
+// read once from memory, k in steps of 32, and dotted with up to MR = 4 x rows at a time (24
+// accumulators: 4 x loads and 6 weight loads feed 24 dot products), every x row in turn while
+// the 6 weight rows sit in L1. Against 3 x 8 tiles, 4 x 6 took about a fifth less time at 16 and
+// 512 rows on the 0.6B shapes (one sitting, the AVX512-BF16 host of docs/benchmarks.md). Memory bound for
 // decode-sized M; from about 24 rows torch's own product (oneDNN) is faster, and cpu.py hands
 // those to it (BF16_DOT_ROWS), except in the batch-invariant form, which takes this kernel for
 // every M.
 //
 // One order per output, for every M: an output's accumulator takes its 16-lane dot products k
-// step by k step, and its 16 lanes are summed by one tree, (x0 + x2) + (x1 + x3) within each
-// quarter, then (q0 + q2) + (q1 + q3) across them, whatever tile computed it: sum16 for the
-// tiles of two rows, tree_sum (the same tree, one vector at a time) for the others. So a row's
-// bits do not depend on how many rows share the call.
+// step by k step, and its 16 lanes are summed by one tree (tree_sum), whatever tile computed it.
+// So a row's bits do not depend on how many rows share the call.
 //
 // Compiled for AVX-512 with a function attribute, so the extension still builds with AVX2 flags;
 // cpu.py calls it only where the CPU reports avx512_bf16 (``has_bf16_dot`` says whether this
@@ -31,36 +31,16 @@ namespace {
 
 #define QN_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-constexpr int MR_ROWS = 3;
-constexpr int NR_ROWS = 8;
+constexpr int MR_ROWS = 4;
+constexpr int NR_ROWS = 6;
 constexpr int64_t ROW_BLOCK_BYTES = 256 << 10;    // x rows per pass over the weights: 256 KiB of them
 
 QN_AVX512_BF16 inline __m512bh load_bh(const uint16_t* p, __mmask32 m) {
   return (__m512bh)(m == ~__mmask32(0) ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p));
 }
 
-// The horizontal sums of 16 accumulators v[i * 8 + j] (2 x rows, 8 weight rows), stored as
-// y[j] and y[ldy + j]: a tree of in-lane unpacks and cross-lane shuffles (about 45 instructions
-// instead of 16 separate reductions of about 8 each). After the two unpack levels every 128-bit
-// lane of w[r] holds one partial sum of each of v[4r .. 4r + 3]; the shuffles then add the four
-// lanes, leaving v[0 .. 15]'s sums in order.
-QN_AVX512_BF16 inline void sum16(const __m512* v, float* y, int64_t ldy) {
-  __m512 t[8], w[4];
-  for (int p = 0; p < 8; ++p)
-    t[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
-  for (int r = 0; r < 4; ++r) {
-    const __m512d a = _mm512_castps_pd(t[2 * r]), b = _mm512_castps_pd(t[2 * r + 1]);
-    w[r] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-  _mm256_storeu_ps(y, _mm512_castps512_ps256(r));
-  _mm256_storeu_ps(y + ldy, _mm512_extractf32x8_ps(r, 1));
-}
-
-// sum16's tree for one accumulator: (x0 + x2) + (x1 + x3) in each quarter, then (q0 + q2) +
-// (q1 + q3); float addition commutes exactly, so only the pairing matters.
+// The one tree by which every output's 16 lanes are summed: (x0 + x2) + (x1 + x3) in each
+// quarter, then (q0 + q2) + (q1 + q3); float addition commutes exactly, so only the pairing matters.
 QN_AVX512_BF16 inline float tree_sum(__m512 v) {
   const __m512 a = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));          // lanes [2, 3, 0, 1] of a quarter
   const __m512 b = _mm512_add_ps(a, _mm512_permute_ps(a, 0xB1));          // lanes [1, 0, 3, 2]
@@ -96,17 +76,10 @@ QN_AVX512_BF16 inline void tile(const uint16_t* x, const uint16_t* w, int64_t K,
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) step<MR, NR>(acc, x, w, K, k, ~__mmask32(0));
   if (k < K) step<MR, NR>(acc, x, w, K, k, static_cast<__mmask32>((1u << (K - k)) - 1u));   // a k tail, masked
-  if constexpr (MR == 2 && NR == 8) {
-    __m512 v[16];                    // a copy: taking acc's address would keep it out of registers
-#pragma GCC unroll 16
-    for (int q = 0; q < 16; ++q) v[q] = acc[q / 8][q % 8];
-    sum16(v, y, ldy);
-  } else {
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i)
+  for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) y[i * ldy + j] = tree_sum(acc[i][j]);
-  }
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = tree_sum(acc[i][j]);
 }
 
 // Every x row against NR weight rows, MR x rows at a time.
@@ -114,8 +87,12 @@ template <int NR>
 QN_AVX512_BF16 void rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t ldy) {
   int64_t m = 0;
   for (; m + MR_ROWS <= M; m += MR_ROWS) tile<MR_ROWS, NR>(x + m * K, w, K, y + m * ldy, ldy);
-  if (M - m == 2) tile<2, NR>(x + m * K, w, K, y + m * ldy, ldy);
-  if (M - m == 1) tile<1, NR>(x + m * K, w, K, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: tile<3, NR>(x + m * K, w, K, y + m * ldy, ldy); break;
+    case 2: tile<2, NR>(x + m * K, w, K, y + m * ldy, ldy); break;
+    case 1: tile<1, NR>(x + m * K, w, K, y + m * ldy, ldy); break;
+    default: break;
+  }
 }
 
 }  // namespace
