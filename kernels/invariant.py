@@ -88,39 +88,23 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The cpu set's product with one reduction order per output for every number of rows:
     bf16 dot products on a CPU with AVX512-BF16 (bf16 x and weights), fp32 dot products
     along k otherwise (csrc/linear.cpp)."""
-    if x.device.type != "cpu":
-        return tiled_linear(x, weight)
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and cpu.bf16_dot():
         return cpu.ops().linear_bf16(x, weight)
     return cpu.ops().linear(x, weight, 0)        # panel_rows 0: dot products for every M
 
 
-def _per_token(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
-    """(row, position) of each of the step's tokens, from the host copies."""
+_TOKEN_ROWS = LastResult()     # once per step: every layer shares the metadata
+
+
+def _token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Each token of the step as a row of its own: (its row's block table [T, max_blocks], its
+    context length [T], its position on the host)."""
     rows, positions = [], []
     for r, (n, context) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         rows += [r] * n
         positions += range(context - n, context)
-    return rows, positions
-
-
-_TOKEN_ROWS = LastResult()     # once per step: every layer shares the metadata
-
-
-def _token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """The step as one decode row per token: (block tables [T, max_blocks], seq_lens [T],
-    query starts [T + 1], the tokens' positions on the host)."""
-    rows, positions = _per_token(meta)
-    device = meta.block_tables.device
-    index = torch.tensor(rows, dtype=torch.long, device=device)
-    tables = meta.block_tables.index_select(0, index)
-    seq_lens = (meta.positions + 1).to(torch.int32)
-    starts = torch.arange(len(rows) + 1, dtype=torch.int32, device=device)
-    return tables, seq_lens, starts, positions
-
-
-def _tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
-    return meta.positions, meta.block_tables
+    index = torch.tensor(rows, dtype=torch.long, device=meta.block_tables.device)
+    return meta.block_tables.index_select(0, index), (meta.positions + 1).to(torch.int32), positions
 
 
 def cpu_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -137,7 +121,8 @@ def reference_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     context padded to whole blocks and masked), so its shapes depend only on its position. One
     call per token, not one per group of equal shapes: torch's batched products round a batch
     element by the batch's size."""
-    tables, seq_lens, _, positions = _TOKEN_ROWS.get(meta, _tensors(meta), (), lambda: _token_rows(meta))
+    tables, seq_lens, positions = _TOKEN_ROWS.get(meta, (meta.positions, meta.block_tables), (),
+                                                    lambda: _token_rows(meta))
     block_size = key_cache.shape[1]
     out = torch.empty_like(query)
     for t, position in enumerate(positions):

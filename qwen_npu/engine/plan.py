@@ -123,6 +123,15 @@ class StepPlan:
             yield i, t, t + n
             t += n
 
+    def rolled_back(self, accepted: dict[int, int]) -> dict[int, list[int]]:
+        """Request id -> the slots of the drafts its row wrote past the ``accepted[id]`` kept ones."""
+        out = {}
+        for row, a, b in self.row_slices():
+            r = self.rows[row]
+            if row < self.num_active and r.drafts and r.request.id in accepted:
+                out[r.request.id] = self.slot_mapping[b - len(r.drafts) + accepted[r.request.id]:b]
+        return out
+
 
 def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: dict[int, list[int]],
                block_size: int, *, pad_to: int | None = None) -> StepPlan:
@@ -228,12 +237,7 @@ class StepResult:
     @property
     def rolled_back(self) -> dict[int, list[int]]:
         """After sampling: request id -> the slots of its rejected drafts, given back ({} before)."""
-        out = {}
-        for row, a, b in self.plan.row_slices():
-            r = self.plan.rows[row]
-            if row < self.plan.num_active and r.drafts and r.request.id in self.accepted:
-                out[r.request.id] = self.plan.slot_mapping[b - len(r.drafts) + self.accepted[r.request.id]:b]
-        return out
+        return self.plan.rolled_back(self.accepted)
 
     def _tensor(self, name: str, make) -> torch.Tensor:
         t = self._tensors.get(name)

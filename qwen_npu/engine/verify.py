@@ -91,8 +91,7 @@ def sample_verified(step, draft, generators: dict, buffers) -> dict:
     fault_point("d2h")
     tokens, codes, lps = unpack(host)
     tokens = tokens.tolist()
-    accepted, rolled_back, j = {}, [], 0
-    ends = {row: b for row, _, b in plan.row_slices()}
+    accepted, j = {}, 0
     for row_index, group in itertools.groupby(plan.logits_rows):
         n = len(list(group))
         row, req = plan.rows[row_index], reqs[j]
@@ -109,17 +108,16 @@ def sample_verified(step, draft, generators: dict, buffers) -> dict:
             draft.stage_token(req, ys[kept])
         rollback(draft, req, row, kept)
         accepted[req.id] = kept
-        end = ends[row_index]
-        rolled_back += [s for s in plan.slot_mapping[end - len(row.drafts) + kept:end] if s >= 0]
     fault_point("staged")
     health, seen = [], set()                      # (request id, health code), once per request
     for r, c in zip(reqs, codes):
         if c and r.id not in seen:
             seen.add(r.id)
             health.append((r.id, c))
+    given_back = tuple(s for slots in plan.rolled_back(accepted).values() for s in slots)
     return {"tokens": torch.tensor(tokens, dtype=torch.int64), "ids": ids, "health": health,
             "h2d": h2d + h2d_mask, "d2h": host.nbytes, "seconds": time.perf_counter() - t0, "accepted": accepted,
-            "rolled_back": tuple(rolled_back)}
+            "rolled_back": given_back}
 
 
 def rollback(draft, req, row, kept: int) -> None:

@@ -110,7 +110,7 @@ def _three_runs(sess, mine, theirs, shifted, names):
     """Alone, batched, perturbed (module docstring), each after a reset; the session left reset."""
     sess.reset()
     alone = sess._add(*mine)
-    cap_alone = _run(sess, [alone], names, forced=None)
+    cap_alone = _run(sess, [alone], names)
     lone_tokens = list(alone.output_token_ids)
     runs = []
     for neighbour_prompts, forced_neighbours in ((theirs, False), (shifted, True)):
@@ -120,7 +120,9 @@ def _three_runs(sess, mine, theirs, shifted, names):
         forced = {req.id: lone_tokens}
         if forced_neighbours:
             forced.update({r.id: t for r, t in zip(near, runs[0][2])})
-        cap = _run_forced(sess, req, near, names, forced)
+        cap = _run(sess, [req], names, forced, also=near,
+                   too_long=lambda rid, n: f"compare_batched: request {rid} runs longer than the {n} tokens "
+                                           f"it produced before")
         runs.append((req, cap, [list(r.output_token_ids) for r in near]))
     sess.reset()
     return alone, cap_alone, runs
@@ -129,39 +131,6 @@ def _three_runs(sess, mine, theirs, shifted, names):
 def _shift(ids: list[int], vocab: int) -> list[int]:
     """Every token moved to another id (by 1 + its index, wrapping): the same length, other data."""
     return [(t + 1 + i) % vocab for i, t in enumerate(ids)]
-
-
-def _run_forced(sess, req, near, names, forced: dict):
-    """Step ``sess`` until ``req`` and ``near`` finish, capturing ``req``; requests named in
-    ``forced`` take those tokens, the others sample their own."""
-    from .capture import Capture
-    everyone = [req, *near]
-    with Capture(sess, names, requests=[req]) as cap:
-        while not all(r.is_done for r in everyone):
-            step = _next(sess, everyone)
-            if step.logits is None:
-                continue
-            force = {}
-            for rid in step.logits_request_ids:
-                if rid in forced:
-                    want, done = forced[rid], len(sess.request(rid).output_token_ids)
-                    if done >= len(want):
-                        raise InvalidRequestError(f"compare_batched: request {rid} runs longer than "
-                                                  f"the {len(want)} tokens it produced before")
-                    force[rid] = want[done]
-            sess.sample(step, force=force or None)
-    return cap
-
-
-def _next(sess, reqs):
-    """The next step of the batch: prefill while a request waits or prefills (decode when nothing
-    is admissible), else decode."""
-    if any(r.status in ("waiting", "prefilling") for r in reqs):
-        try:
-            return sess.prefill()
-        except InvalidRequestError:
-            return sess.decode_step()
-    return sess.decode_step()
 
 
 def _margin(cap, req, first: Divergence | None, names) -> float | None:

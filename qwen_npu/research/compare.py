@@ -127,10 +127,13 @@ def compare(a, b, requests, *, sampling=None, atol: float = 1e-4, rtol: float = 
                                       f"them first (they would share batches with the compared requests)")
     prepared = [[s._prepare(p, sp) for p, sp in items] for s in (a, b)]
     reqs_a = [a._add(*p) for p in prepared[0]]
-    cap_a = _run(a, reqs_a, names, forced=None)
+    cap_a = _run(a, reqs_a, names)
     tokens = [list(r.output_token_ids) for r in reqs_a]
     reqs_b = [b._add(*p) for p in prepared[1]]
-    cap_b = _run(b, reqs_b, names, forced=tokens)
+    index = {r.id: k for k, r in enumerate(reqs_b)}
+    cap_b = _run(b, reqs_b, names, {r.id: t for r, t in zip(reqs_b, tokens)},
+                 too_long=lambda rid, n: f"compare: request {index[rid]} runs longer in b than the {n} tokens it "
+                                         f"produced in a")
     return _diff(cap_a, cap_b, reqs_a, reqs_b, names, atol, rtol, tokens)
 
 
@@ -148,12 +151,15 @@ def _items(requests, sampling):
     return items
 
 
-def _run(sess, reqs, names, forced) -> Capture:
-    """Step ``sess`` until ``reqs`` finish, capturing ``names``; ``forced`` = tokens per request."""
-    index = {r.id: k for k, r in enumerate(reqs)}
+def _run(sess, reqs, names, forced: dict | None = None, *, also=(), too_long=None) -> Capture:
+    """Step ``sess`` until ``reqs`` (captured, ``names``) and ``also`` (run beside them, not
+    captured) finish. ``forced``: request id -> the tokens that request must take, in order (the
+    others sample their own); ``too_long(request id, n)`` words the error when a forced request
+    outgrows its ``n`` tokens."""
+    everyone = [*reqs, *also]
     with Capture(sess, names, requests=reqs) as cap:
-        while not all(r.is_done for r in reqs):
-            if any(r.status in (WAITING, PREFILLING) for r in reqs):
+        while not all(r.is_done for r in everyone):
+            if any(r.status in (WAITING, PREFILLING) for r in everyone):
                 try:
                     step = sess.prefill()
                 except InvalidRequestError:          # nothing admissible now: decode makes room
@@ -162,16 +168,16 @@ def _run(sess, reqs, names, forced) -> Capture:
                 step = sess.decode_step()
             if step.logits is None:
                 continue
-            force = None
-            if forced is not None:
-                force = {}
-                for rid in step.logits_request_ids:
-                    want, done = forced[index[rid]], len(sess.request(rid).output_token_ids)
-                    if done >= len(want):
-                        raise InvalidRequestError(f"compare: request {index[rid]} runs longer in b than the "
-                                                  f"{len(want)} tokens it produced in a")
-                    force[rid] = want[done]
-            sess.sample(step, force=force)
+            force = {}
+            for rid in step.logits_request_ids:
+                want = (forced or {}).get(rid)
+                if want is None:
+                    continue
+                done = len(sess.request(rid).output_token_ids)
+                if done >= len(want):
+                    raise InvalidRequestError(too_long(rid, len(want)))
+                force[rid] = want[done]
+            sess.sample(step, force=force or None)
     return cap
 
 

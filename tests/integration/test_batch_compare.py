@@ -71,16 +71,16 @@ def test_an_interrupted_comparison_leaves_the_session_reset_and_usable(ckpt, mon
     from qwen_npu.research import batch_compare
     sess = session(ckpt)
     request, neighbours = request_and_neighbours()
-    real, calls = batch_compare._run_forced, []
+    real, calls = batch_compare._run, []
 
-    def interrupted(*args):
+    def interrupted(*args, **kw):
         calls.append(1)
-        if len(calls) == 2:                       # in the perturbed run, after some steps of the batched one
+        if len(calls) == 3:                       # the perturbed run, after the lone and the batched ones
             raise KeyboardInterrupt
-        return real(*args)
-    monkeypatch.setattr(batch_compare, "_run_forced", interrupted)
+        return real(*args, **kw)
+    monkeypatch.setattr(batch_compare, "_run", interrupted)
     with pytest.raises(KeyboardInterrupt):
         compare_batched(sess, request, neighbours)
     assert list(sess.requests) == [] and list(sess.history) == []
-    monkeypatch.setattr(batch_compare, "_run_forced", real)
+    monkeypatch.setattr(batch_compare, "_run", real)
     assert compare_batched(sess, request, neighbours).verdict == "rounding"
