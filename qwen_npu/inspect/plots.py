@@ -38,11 +38,12 @@ class NotebookFigure(Figure):
 MISSING_GLYPH = "\u25a1"       # a white square, drawn for a character the plot font cannot show
 
 
-def _plain(text: str) -> str:
-    """A token's text for an axis label: quoted like repr, each character the plot font has no glyph
-    for drawn as a white square (never as an escaped code point)."""
-    return "".join(c if c in "'\\" or c.isprintable() and _has_glyph(c) else MISSING_GLYPH
-                   for c in repr(text))
+def token_label(text: str, *, quotes: bool = True) -> str:
+    """A token's text for a plot label: escaped like repr (a newline reads ``\\n``), quoted unless
+    ``quotes=False``, each character the plot font has no glyph for drawn as a white square
+    (never as an escaped code point such as ``\\ufffd``)."""
+    shown = repr(text) if quotes else repr(text)[1:-1]
+    return "".join(c if c in "'\\" or c.isprintable() and _has_glyph(c) else MISSING_GLYPH for c in shown)
 
 
 _GLYPHS: dict[str, bool] = {}
@@ -159,7 +160,7 @@ def plot_topk(step, request_id: int | None = None, k: int = 10, decode=None):
         raise InvalidRequestError(f"request {rid} has no logits row in step {step.index} "
                                   f"(rows: {list(t.request_ids)})")
     r = t.request_ids.index(rid)
-    labels = [f"{tok} {_plain(t.texts[r][j])}" if t.texts else str(tok) for j, tok in enumerate(t.token_ids[r])]
+    labels = [f"{tok} {token_label(t.texts[r][j])}" if t.texts else str(tok) for j, tok in enumerate(t.token_ids[r])]
     fig, ax = _figure(6.0, 0.6 + 0.28 * len(labels))
     ax.barh(range(len(labels)), t.probs[r], color=h.owner_color(rid))
     ax.set_yticks(range(len(labels)), labels, fontsize=8)

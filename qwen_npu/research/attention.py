@@ -62,7 +62,7 @@ class AttentionPattern:
     def plot(self, heads=None, *, max_labels: int = 40):
         """A heatmap per head (queries down, keys across); returns a matplotlib Figure (shown as a
         PNG in a notebook, never registered with pyplot)."""
-        from ..inspect.plots import NotebookFigure
+        from ..inspect.plots import NotebookFigure, token_label
         heads = self.heads if heads is None else [heads] if isinstance(heads, int) else list(heads)
         missing = [h for h in heads if h not in self.heads]
         if missing:
@@ -80,9 +80,9 @@ class AttentionPattern:
                            aspect="auto", interpolation="nearest")
             ax.set_title(f"layer {self.layer} head {h}", fontsize=9)
             if k <= max_labels:
-                ax.set_xticks(range(k), [ascii(t)[1:-1] for t in self.tokens], rotation=90, fontsize=7)
+                ax.set_xticks(range(k), [token_label(t, quotes=False) for t in self.tokens], rotation=90, fontsize=7)
             if q <= max_labels:
-                ax.set_yticks(range(q), [f"{p}:{ascii(t)[1:-1]}" for p, t in zip(self.positions, self.query_tokens)],
+                ax.set_yticks(range(q), [f"{p}:{token_label(t, quotes=False)}" for p, t in zip(self.positions, self.query_tokens)],
                               fontsize=7)
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="probability")
         fig.suptitle(f"request {self.request_id}: attention at layer {self.layer}", fontsize=10)

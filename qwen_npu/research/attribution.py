@@ -39,6 +39,7 @@ class LogitAttribution:
     heads: torch.Tensor          # [layers, heads]
     mlp: torch.Tensor            # [layers]
     actual: float                # the logit difference the model produced from r
+    metric: str = ""             # "logit[t 'text'] - logit[b 'text']" (``metric_name``)
 
     @property
     def attn(self) -> torch.Tensor:
@@ -73,7 +74,7 @@ class LogitAttribution:
         return fig
 
     def _what(self) -> str:
-        return f"logit[{self.target}]" + (f" - logit[{self.baseline}]" if self.baseline is not None else "")
+        return self.metric or metric_name(None, self.target, self.baseline)
 
     def __repr__(self) -> str:
         h = self.heads
@@ -131,7 +132,15 @@ def direct_logit_attribution(sess, cap, request, target: int, baseline: int | No
         mlp.append(at(f"layers.{i}.mlp.out") @ d)
     actual = float(unembed_diff(model, r, target, baseline))
     return LogitAttribution(rid, pos, target, baseline, float(at("embed") @ d), torch.stack(heads).cpu(),
-                            torch.stack(mlp).cpu(), actual)
+                            torch.stack(mlp).cpu(), actual, metric_name(sess.tokenizer, target, baseline))
+
+
+def metric_name(tokenizer, target: int, baseline: int | None) -> str:
+    """``logit[t] - logit[b]``, each id followed by its text where a tokenizer can decode it."""
+    def logit(token: int) -> str:
+        text = f" {tokenizer.decode([token])!r}" if tokenizer is not None else ""
+        return f"logit[{token}{text}]"
+    return logit(target) + (f" - {logit(baseline)}" if baseline is not None else "")
 
 
 def unembed_diff(model, r: torch.Tensor, target: int, baseline: int | None) -> torch.Tensor:

@@ -69,7 +69,7 @@ class LogitLens:
     def plot(self, token: int | None = None):
         """Heat map names x positions of the top-1 probability (or of ``token``'s), labelled with
         the top-1 token; a matplotlib Figure."""
-        from ..inspect.plots import NotebookFigure
+        from ..inspect.plots import NotebookFigure, token_label
         vals = self.top_probs[..., 0] if token is None else self.prob(token)
         fig = NotebookFigure(figsize=(min(1.0 + 0.55 * len(self.positions), 14), 0.8 + 0.35 * len(self.names)),
                              layout="constrained")
@@ -77,10 +77,10 @@ class LogitLens:
         im = ax.imshow(vals.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
         for i in range(len(self.names)):
             for j in range(len(self.positions)):
-                ax.text(j, i, ascii(self._labels(int(self.top_ids[i, j, 0])))[1:-1], ha="center", va="center", fontsize=6,
+                ax.text(j, i, token_label(self._labels(int(self.top_ids[i, j, 0])), quotes=False), ha="center", va="center", fontsize=6,
                         color="white" if vals[i, j] < 0.5 else "black")
         ax.set_yticks(range(len(self.names)), self.names, fontsize=7)
-        ax.set_xticks(range(len(self.positions)), [f"{p}:{ascii(t)[1:-1]}" for p, t in zip(self.positions, self.tokens)],
+        ax.set_xticks(range(len(self.positions)), [f"{p}:{token_label(t, quotes=False)}" for p, t in zip(self.positions, self.tokens)],
                       rotation=90, fontsize=7)
         fig.colorbar(im, ax=ax, label="top-1 probability" if token is None else f"p(token {token})")
         fig.suptitle(f"request {self.request_id}: logit lens", fontsize=10)

@@ -26,6 +26,7 @@ from ..engine.request import SamplingParams
 from ..errors import InvalidRequestError
 from ..inspect import html as H
 from . import hooks
+from .attribution import metric_name
 
 HEAD_POINTS = ("attn.q", "attn.k", "attn.v", "attn.z", "attn.q_pre_rope", "attn.k_pre_rope")
 
@@ -71,7 +72,7 @@ class PatchingResult:
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
         ax.set_xticks(range(len(self.positions)), [str(p) for p in self.positions], fontsize=7)
         ax.set_xlabel("patched position")
-        fig.colorbar(im, ax=ax, label="restored fraction of the logit difference")
+        fig.colorbar(im, ax=ax, label="restored fraction", shrink=0.9)
         fig.suptitle(f"activation patching: {self.metric}", fontsize=10)
         return fig
 
@@ -164,9 +165,8 @@ def activation_patching(sess, clean, corrupted, target: int, baseline: int | Non
                 row_vals.append(run(bad_ids, (name, _patch(clean_x[p], h), p))[0])
             per.append(row_vals)
         effects.append(per if heads else per[0])
-    metric = f"logit[{target}]" + (f" - logit[{baseline}]" if baseline is not None else "")
     return PatchingResult(tuple(names), tuple(positions), head_ids, torch.tensor(effects, dtype=torch.float32),
-                          clean_metric, corrupted_metric, metric)
+                          clean_metric, corrupted_metric, metric_name(sess.tokenizer, target, baseline))
 
 
 def _patch(value: torch.Tensor, head: int | None):

@@ -148,3 +148,31 @@ def test_activation_patching_matches_dense_hf(ckpt, prompt):
         activation_patching(sess, clean, corrupted[:-1], target)
     with pytest.raises(InvalidRequestError, match="heads=True needs per-head points"):
         activation_patching(sess, clean, corrupted, target, names="layers.0.residual", heads=True)
+
+
+def test_metrics_name_tokens_by_their_text_and_plots_draw_tokens_unescaped():
+    """On a checkpoint with a tokenizer, a metric reads ``logit[id 'text']``; the lens plot draws a
+    token the font lacks as a box, never as an escaped code point."""
+    from qwen_npu import Session
+    from qwen_npu.inspect.plots import MISSING_GLYPH
+    from qwen_npu.testing import tiny_trained_qwen3
+    sess = Session.from_pretrained(tiny_trained_qwen3(), kernels="reference", block_size=4, num_blocks=32)
+    ids = sess.tokenizer.encode("a small tree of the genus")
+    (t,), (b,) = sess.tokenizer.encode(" P"), sess.tokenizer.encode(" of")
+    corrupted = ids[:-1] + sess.tokenizer.encode(" family")
+    res = activation_patching(sess, ids, corrupted, t, b, names="layers.3.residual", positions=[len(ids) - 1])
+    assert res.metric == f"logit[{t} ' P'] - logit[{b} ' of']"
+    assert res.plot().texts[0].get_text() == f"activation patching: {res.metric}"
+    req = sess.add_request(ids, greedy(2))
+    with sess.capture(list(DLA_NAMES)) as cap:
+        while req.num_computed_tokens < len(ids):
+            sess.step()
+    dla = direct_logit_attribution(sess, cap, req, t, b)
+    assert dla.metric == res.metric and res.metric in repr(dla)
+    lens = logit_lens(sess, cap, req, names=["embed"], k=1)
+    shown = [x.get_text() for x in lens.plot().axes[0].texts]
+    tops = [sess.tokenizer.decode([int(i)]) for i in lens.top_ids[0, :, 0]]
+    assert "\ufffd" in tops                            # the embed lens favours a partial byte here
+    assert all("\\u" not in s and "\\x" not in s for s in shown)
+    assert MISSING_GLYPH in shown or "\ufffd" in shown
+    sess.abort(req)

@@ -18,7 +18,7 @@ from qwen_npu.inspect import (
     plot_step_timings,
     plot_topk,
 )
-from qwen_npu.inspect.plots import MISSING_GLYPH, _plain
+from qwen_npu.inspect.plots import MISSING_GLYPH, token_label
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +91,9 @@ def test_topk_labels_show_text_never_escaped_code_points(sess):
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert labels and all("\\u" not in label and "\\x" not in label for label in labels)
     closes_cleanly(fig)
-    assert _plain("\u503e\u659c") == "'" + MISSING_GLYPH * 2 + "'"      # no glyph in the plot font: a box each
-    assert _plain(" caf\u00e9") == "' caf\u00e9'"                      # glyph there: drawn as itself
-    assert _plain("a\nb") == "'a\\nb'"                                # control characters stay escaped, as repr
+    assert token_label("\u503e\u659c") == "'" + MISSING_GLYPH * 2 + "'"      # no glyph in the plot font: a box each
+    assert token_label(" caf\u00e9") == "' caf\u00e9'"                      # glyph there: drawn as itself
+    assert token_label("a\nb") == "'a\\nb'"                                # control characters stay escaped, as repr
 
 
 def test_kv_norms_images(sess):
