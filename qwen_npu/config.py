@@ -188,6 +188,7 @@ class SessionConfig:
     mixed_steps: bool = False       # step()/generate() put decode rows and prefill chunks in one forward
     speculative: str | None = None  # the drafter of speculative decoding ("ngram"), or None
     num_speculative_tokens: int = 0  # drafts per decode row (0 without speculative)
+    tensor_parallel_size: int = 1   # ranks the model is split over (``parallel/``)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -77,9 +77,9 @@ def kernel_set(request, monkeypatch):
     def load_session(path, options):
         if options.kernels != "auto":
             return real(path, options)
-        model, config, tokenizer = real(path, options.replace(kernels=name))
+        model, config, tokenizer, parallel = real(path, options.replace(kernels=name))
         assert config.kernels == name, f"asked for the {name} kernel set, got {config.kernels}"
-        return model, config, tokenizer
+        return model, config, tokenizer, parallel
 
     monkeypatch.setattr(session_module, "load_session", load_session)
     return name

@@ -40,6 +40,13 @@ class KVCache:
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.keys, self.values))
 
+    def rows(self, layers, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [layers, slots, num_kv_heads, head_dim] of ``slots`` in ``layers``, on the cache's device."""
+        index = torch.tensor(list(slots), dtype=torch.int64).to(self.keys[0].device)
+        k = torch.stack([self.keys[i].flatten(0, 1).index_select(0, index) for i in layers])
+        v = torch.stack([self.values[i].flatten(0, 1).index_select(0, index) for i in layers])
+        return k, v
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write)."""
         for t in self.keys + self.values:

@@ -162,6 +162,15 @@ def synchronize(device: torch.device | str) -> None:
         load_torch_npu().npu.synchronize(device)
 
 
+def device_count(kind: str) -> int:
+    """How many devices of ``kind`` ("cuda", "npu") this process sees; 1 for "cpu"."""
+    if kind == "cuda":
+        return torch.cuda.device_count()
+    if kind == "npu":
+        return load_torch_npu().npu.device_count()
+    return 1
+
+
 def free_memory(device: torch.device | str) -> int:
     """Free bytes on an accelerator (cuda or npu)."""
     device = torch.device(device)

@@ -4,6 +4,8 @@ steps on it.
 """
 from __future__ import annotations
 
+import torch
+
 from ..cache.kv_cache import KVCache
 from ..cache.ledger import SlotLedger
 from ..cache.manager import KVCacheManager
@@ -19,9 +21,11 @@ from .step import Commit, StreamHealthWarning, check_not_pending, commit  # noqa
 
 
 class Engine:
-    def __init__(self, model: Qwen3Model, config: SessionConfig, calls):
+    def __init__(self, model: Qwen3Model, config: SessionConfig, calls, parallel=None):
         """``calls``: the call gate of the Session that makes this engine (``session/steps.py``'s
-        ``CallGate``), shared by its forks."""
+        ``CallGate``), shared by its forks. ``parallel``: the ``TensorParallelGroup`` of the other
+        ranks when the model spans several devices (``model`` is then rank 0's shard and
+        ``kv_cache`` holds rank 0's KV heads)."""
         self.model = model
         self.config = config
         mc = model.config
@@ -41,7 +45,9 @@ class Engine:
             raise ValueError(f"SessionConfig.deterministic is {config.deterministic} but the model's "
                              f"kernels are {model.kernels!r}: a deterministic Session's model runs "
                              "BatchInvariant kernels (kernels/invariant.py), and only it does")
-        self.runner = ModelRunner(model, self.kv_cache, self.buffers, sync_timings=config.sync_timings)
+        self.parallel = parallel
+        make_runner = ModelRunner if parallel is None else parallel.runner     # ``parallel/runner.py``
+        self.runner = make_runner(model, self.kv_cache, self.buffers, sync_timings=config.sync_timings)
         # None, or the step hooks of the open captures and interventions (engine/hooks.py)
         self.hook: StepHooks | None = None
         self.branches = None       # the Sessions sharing this engine after a fork (session_fork.py)
@@ -49,6 +55,14 @@ class Engine:
         self.next_request_id = 0   # request ids are unique per engine, so forked Sessions never clash
         self.faults: FaultEmulator | None = None   # EMULATED hardware faults; off unless asked for
         self.dropped: list[dict] = []   # request maps of branches garbage-collected with live requests
+
+    def kv_rows(self, layers, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [layers, slots, num_kv_heads, head_dim] of ``slots``: every KV head of the model,
+        gathered from every rank with tensor parallelism (rank r's heads after rank r-1's; one
+        host copy per rank). On the cache's device without, on the host with."""
+        if self.parallel is not None:
+            return self.parallel.read_slots(self.kv_cache, list(layers), list(slots))
+        return self.kv_cache.rows(layers, slots)
 
     def collect_dropped(self) -> None:
         """Abort the unfinished requests of branches dropped since the last call, freeing their

@@ -45,6 +45,7 @@ from ..kernels.metadata import AttentionMetadata
 from ..model.qwen3 import Hook, Qwen3Model
 from . import pinned
 from .plan import StepPlan, buffer_set
+from .transaction import KVGuard
 
 
 @dataclasses.dataclass
@@ -225,6 +226,8 @@ class DispatchBuffers:
 
 
 class ModelRunner:
+    interruptible = True         # Ctrl-C may land in the forward (``transaction.py``)
+
     def __init__(self, model: Qwen3Model, kv_cache: KVCache, buffers: DispatchBuffers, *,
                  sync_timings: bool = False):
         self.model = model
@@ -237,10 +240,15 @@ class ModelRunner:
         if self.sync_timings:
             synchronize(self.model.device)
 
+    def guard(self, blocks, staging, plan: StepPlan) -> KVGuard:
+        """The KVGuard of a step that overwrites the committed ``blocks``."""
+        return KVGuard(self.kv_cache, blocks, staging)
+
     def dispatch(self, plan: StepPlan, timings: dict, transfers: dict, *,
-                 hook: Hook | None = None) -> tuple[OutputBuffer, OutputBuffer]:
+                 hook: Hook | None = None, guard: KVGuard | None = None) -> tuple[OutputBuffer, OutputBuffer]:
         """Run the plan; returns the (logits, hidden) buffers its logits rows were written to. The
-        caller runs it under ``torch.no_grad()``."""
+        caller runs it under ``torch.no_grad()``; ``guard`` is the step's (a tensor-parallel runner
+        has every rank copy its blocks)."""
         t0 = time.perf_counter()
         meta = self.fill(plan, transfers)
         logits_buf, hidden_buf = self.outputs(buffer_set(plan.kind))
@@ -295,3 +303,23 @@ class ModelRunner:
         logits_buf = b.output(kind, "logits", b.max_logits[kind], cfg.vocab_size, torch.float32, pair)
         hidden_buf = b.output(kind, "hidden", b.max_logits[kind], cfg.hidden_size, self.model.dtype, pair)
         return logits_buf, hidden_buf
+
+
+def recompute_kv(model, token_ids: list[int], block_size: int) -> KVCache:
+    """The K/V of ``token_ids`` from one prefill row over a scratch cache whose blocks are
+    ``0, 1, 2, ...`` in order, so position p lives in slot p."""
+    c, device = model.config, model.device
+    n = len(token_ids)
+    nb = -(-n // block_size)
+    scratch = KVCache(c.num_hidden_layers, nb, block_size, c.num_key_value_heads, c.head_dim, model.dtype, device)
+    pos = torch.arange(n, dtype=torch.int64).to(device)                          # [n]
+    meta = AttentionMetadata(
+        positions=pos, slot_mapping=pos,
+        block_tables=torch.arange(nb, dtype=torch.int32).to(device)[None],       # [1, nb]
+        seq_lens=torch.tensor([n], dtype=torch.int32).to(device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32).to(device),
+        query_lens_host=(n,), seq_lens_host=(n,), is_decode=False)
+    with torch.no_grad():
+        model(torch.tensor(token_ids, dtype=torch.int64).to(device), meta, scratch.layers(),
+              torch.tensor([n - 1], dtype=torch.int64).to(device))
+    return scratch

@@ -5,7 +5,8 @@
       2 plan       rows -> positions, slots, block tables: the StepPlan, the step's one record
       3 check      slot checks on the plan (refused or warned before anything is written)
       4 dispatch   KVGuard copies the committed blocks the plan overwrites; the forward writes K/V
-                   and the spare pair of output buffers (the only place Ctrl-C lands at once)
+                   and the spare pair of output buffers (the only place Ctrl-C lands at once, but
+                   with tensor parallelism, where every rank must finish its collectives)
       5 book       computed tokens and prefix hashes on the draft; the ledger's writes prepared
       6 sample     on the device, on copies of the generators; tokens staged on the drafts
       7 commit     ``commit(engine, Commit(...))``: plain assignments, the one place state changes
@@ -18,6 +19,7 @@ for a step sampled by hand. Forks, aborts, resets, closes and added requests als
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -29,7 +31,7 @@ from ..errors import InvalidRequestError, warn
 from . import sampler, verify
 from .plan import StepPlan, StepResult, buffer_set, build_plan
 from .runner import DeviceLogits
-from .transaction import DONE, KVGuard, StepDraft, fault_point, held_interrupts
+from .transaction import DONE, StepDraft, fault_point, held_interrupts
 
 HEALTH = {1: "non-finite logits", 2: "all-zero logits", 3: "all-equal logits"}
 
@@ -131,12 +133,14 @@ def run_step(sess, schedule, action: str, *, sample: bool, force: dict | None = 
     problems = check(engine, plan, sess._visible_requests(), draft, timings)         # 3 check
     fault_point("validated")
     step_hook = hooks.begin_step(plan) if hooks is not None else None
-    guard = KVGuard(engine.kv_cache, engine.manager.committed_blocks(written_blocks(plan, cfg.block_size)),
-                    engine.buffers.staging(buffer_set(plan.kind)))
+    guard = engine.runner.guard(engine.manager.committed_blocks(written_blocks(plan, cfg.block_size)),
+                                engine.buffers.staging(buffer_set(plan.kind)), plan)
     engine.calls.stepping = plan.index
     try:
-        with torch.no_grad(), held_interrupts().interruptible():       # entered in this order, left whole
-            logits_buf, hidden_buf = engine.runner.dispatch(plan, timings, transfers, hook=step_hook)   # 4
+        region = held_interrupts().interruptible() if engine.runner.interruptible else contextlib.nullcontext()
+        with torch.no_grad(), region:                                   # entered in this order, left whole
+            logits_buf, hidden_buf = engine.runner.dispatch(plan, timings, transfers, hook=step_hook,   # 4
+                                                            guard=guard)
         fault_point("dispatched")
         t1 = time.perf_counter()
         writes = book(engine, plan, draft, step_hook)                                # 5 book

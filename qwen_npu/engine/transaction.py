@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..errors import warn
 from . import sampler
 from .request import ABORTED, DECODING, FINISHED, FIXED_FIELDS, PREFILLING, STEP_FIELDS, WAITING, Request
 
@@ -98,6 +99,30 @@ class HeldInterrupts:
             yield
         finally:
             self.open = False
+
+
+def hold_interrupts():
+    """Install the holding handler for an outermost call on the main thread (None otherwise)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    current = signal.getsignal(signal.SIGINT)
+    if isinstance(current, HeldInterrupts) or current is None:
+        return None                              # a call inside a call, or a handler not set from Python
+    held = HeldInterrupts(current)
+    signal.signal(signal.SIGINT, held)
+    return held
+
+
+def release_interrupts(held, keeps: str | None = None) -> None:
+    """Give the previous handler back; deliver a Ctrl-C held back since the commit (as a
+    warning for a call that ``keeps`` what it made)."""
+    if held is None:
+        return
+    signal.signal(signal.SIGINT, held.previous)
+    if held.pending and keeps is not None:
+        warn(f"Ctrl-C arrived as {keeps}() finished; what it made is kept and returned", RuntimeWarning)
+    elif held.pending:
+        held.deliver()
 
 
 class _NoSignals:

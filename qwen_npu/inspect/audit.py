@@ -24,8 +24,8 @@ import dataclasses
 import torch
 
 from ..cache.kv_cache import KVCache
+from ..engine.runner import recompute_kv
 from ..errors import InvalidRequestError
-from ..kernels.metadata import AttentionMetadata
 
 SHOWN = 20
 
@@ -116,26 +116,6 @@ class AuditReport:
         return audit_html(self)
 
 
-def recompute_kv(model, token_ids: list[int], block_size: int) -> KVCache:
-    """The K/V of ``token_ids`` from one prefill row over a scratch cache whose blocks are
-    ``0, 1, 2, ...`` in order, so position p lives in slot p."""
-    c, device = model.config, model.device
-    n = len(token_ids)
-    nb = -(-n // block_size)
-    scratch = KVCache(c.num_hidden_layers, nb, block_size, c.num_key_value_heads, c.head_dim, model.dtype, device)
-    pos = torch.arange(n, dtype=torch.int64).to(device)                          # [n]
-    meta = AttentionMetadata(
-        positions=pos, slot_mapping=pos,
-        block_tables=torch.arange(nb, dtype=torch.int32).to(device)[None],       # [1, nb]
-        seq_lens=torch.tensor([n], dtype=torch.int32).to(device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32).to(device),
-        query_lens_host=(n,), seq_lens_host=(n,), is_decode=False)
-    with torch.no_grad():
-        model(torch.tensor(token_ids, dtype=torch.int64).to(device), meta, scratch.layers(),
-              torch.tensor([n - 1], dtype=torch.int64).to(device))
-    return scratch
-
-
 def audit_request(kv, model, request, tol: float | None = None) -> AuditReport:
     """Audit a running ``request`` (Request or id) of the cache behind ``kv`` (a KVView).
 
@@ -147,28 +127,52 @@ def audit_request(kv, model, request, tol: float | None = None) -> AuditReport:
         raise InvalidRequestError(f"request {req.id} is {req.status} with no computed tokens: nothing to audit")
     kv.slot_of(req, n - 1)                               # refuses requests whose blocks were freed
     engine = kv._engine
+    if engine.parallel is not None:
+        return audit_parallel(engine, model, req.id, req.all_token_ids[:n], engine.manager.block_table(req.id), tol)
     return audit_kv(model, engine.kv_cache, req.id, req.all_token_ids[:n], engine.manager.block_table(req.id), tol)
+
+
+def audit_parallel(engine, model, request_id: int, token_ids: list[int], block_table: list[int],
+                   tol: float | None = None) -> AuditReport:
+    """``audit_kv`` across the ranks of a tensor-parallel engine: every rank recomputes the
+    prompt on its shard in lockstep (the recomputation's collectives join them), and the cached
+    and recomputed K/V of every rank's heads are compared as one model's."""
+    group, kv_cache, bs = engine.parallel, engine.kv_cache, engine.kv_cache.block_size
+    slots = [block_table[p // bs] * bs + p % bs for p in range(len(token_ids))]
+    with group.exchange("audit"):                 # the ranks recompute in lockstep: whole or not at all
+        group.send_all("audit", (list(token_ids), bs))
+        try:
+            scratch = recompute_kv(model, token_ids, bs)
+        except Exception as e:
+            raise group.lost_during(f"the recomputation of request {request_id} for its audit", e) from e
+        theirs = group.collect("audit")
+    k0, v0 = scratch.rows(range(scratch.num_layers), range(len(token_ids)))
+    want = (torch.cat([k0.cpu()] + [t[0] for t in theirs], dim=2), torch.cat([v0.cpu()] + [t[1] for t in theirs], dim=2))
+    got = engine.kv_rows(range(kv_cache.num_layers), slots)
+    return compare_kv(request_id, got, want, slots, bs, kv_cache.keys[0].dtype, tol)
 
 
 def audit_kv(model, kv_cache: KVCache, request_id: int, token_ids: list[int], block_table: list[int],
              tol: float | None = None) -> AuditReport:
     """Compare the cached K/V of ``token_ids`` (held in ``block_table``) with a recomputation."""
     n, bs = len(token_ids), kv_cache.block_size
-    dtype = kv_cache.keys[0].dtype
-    tol = default_tolerance(dtype) if tol is None else float(tol)
     slots = [block_table[p // bs] * bs + p % bs for p in range(n)]
     scratch = recompute_kv(model, token_ids, bs)
-    idx = torch.tensor(slots, dtype=torch.int64).to(kv_cache.keys[0].device)    # [n]
-    diffs, scales = [], []
-    for cached, ref in zip(kv_cache.keys + kv_cache.values, scratch.keys + scratch.values):
-        got = cached.view(-1, *cached.shape[2:]).index_select(0, idx).float()   # [n, kv_heads, head_dim]
-        want = ref.view(-1, *ref.shape[2:])[:n].float()                         # [n, kv_heads, head_dim]
-        d = (got - want).abs().flatten(1).amax(dim=1)                            # [n]
-        diffs.append(torch.nan_to_num(d, nan=float("inf")))
-        scales.append(want.abs().amax())
-    d_host = torch.stack(diffs).cpu()                     # [2 * layers, n]
-    s_host = torch.stack(scales).cpu()                    # [2 * layers]
-    num_layers = kv_cache.num_layers
+    layers = range(kv_cache.num_layers)
+    return compare_kv(request_id, kv_cache.rows(layers, slots), scratch.rows(layers, range(n)), slots, bs,
+                      kv_cache.keys[0].dtype, tol)
+
+
+def compare_kv(request_id: int, got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+               slots: list[int], bs: int, dtype: torch.dtype, tol: float | None) -> AuditReport:
+    """The AuditReport of cached (``got``) against recomputed (``want``) K/V, each (k, v)
+    [layers, n, kv_heads, head_dim], of the positions held in ``slots``."""
+    tol = default_tolerance(dtype) if tol is None else float(tol)
+    cached, ref = torch.cat(got).float(), torch.cat(want).float().to(got[0].device)   # [2 * layers, n, kvh, hd]
+    d = torch.nan_to_num((cached - ref).abs().flatten(2).amax(dim=2), nan=float("inf"))   # [2 * layers, n]
+    d_host = d.cpu()
+    s_host = ref.abs().flatten(1).amax(dim=1).cpu()                                       # [2 * layers]
+    num_layers = got[0].shape[0]
     layers, found = [], []
     for layer in range(num_layers):
         tols = [tol * max(1.0, float(s_host[layer + k * num_layers])) for k in (0, 1)]
@@ -181,4 +185,4 @@ def audit_kv(model, kv_cache: KVCache, request_id: int, token_ids: list[int], bl
                 s = slots[p]
                 found.append(AuditMismatch(layer, kind, p, s, s // bs, s % bs, float(rows[k][p]), tols[k]))
     found.sort(key=lambda m: (m.position, m.layer, m.kind != "key"))
-    return AuditReport(request_id, n, str(dtype).removeprefix("torch."), tuple(layers), tuple(found))
+    return AuditReport(request_id, len(slots), str(dtype).removeprefix("torch."), tuple(layers), tuple(found))

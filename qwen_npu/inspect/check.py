@@ -94,7 +94,7 @@ def check_session(engine, requests: dict, history) -> CheckReport:
     problems, live = _slots(manager, ledger, requests)
     add("slots", problems)
     add("collisions", _collisions(ledger, engine.faults, manager.block_size))
-    add("values", _values(cache, live, manager.block_size))
+    add("values", _values(engine, live, manager.block_size))
     running = sum(1 for r in requests.values() if r.status in RUNNING)
     return CheckReport(tuple(items), running, len(live), manager.num_used_blocks, manager.num_blocks,
                        cache.num_layers, ledger.num_collisions)
@@ -272,18 +272,13 @@ def _collisions(ledger, faults, bs) -> list[str]:
     return out
 
 
-def _values(cache, live: dict[int, tuple[int, int]], bs: int) -> list[str]:
+def _values(engine, live: dict[int, tuple[int, int]], bs: int) -> list[str]:
     if not live:
         return []
     slots = sorted(live)
-    device = cache.keys[0].device
-    idx = torch.tensor(slots, dtype=torch.int64).to(device)                       # [n]
-    flags = []
-    for t in cache.keys + cache.values:
-        rows = t.view(-1, *t.shape[2:]).index_select(0, idx)                       # [n, kv_heads, head_dim]
-        flags.append(~torch.isfinite(rows).flatten(1).all(dim=1))                  # [n]
-    bad = torch.stack(flags).cpu()                                                 # [2 * layers, n]  (the one copy)
-    layers = cache.num_layers
+    layers = engine.kv_cache.num_layers
+    k, v = engine.kv_rows(range(layers), slots)                                    # [layers, n, kv_heads, hd]
+    bad = (~torch.isfinite(torch.cat([k, v])).flatten(2).all(dim=2)).cpu()         # [2 * layers, n] (the one copy)
     out = []
     for i in bad.any(dim=0).nonzero().flatten().tolist():
         slot = slots[i]

@@ -58,14 +58,12 @@ def committed_slots(manager, pool) -> list[int]:
     return sorted(slots)
 
 
-def kv_checksum(kv_cache, slots: list[int]) -> str:
-    """sha256 of the K/V bytes of ``slots`` in every layer (one device-to-host copy per layer)."""
+def kv_checksum(engine, slots: list[int]) -> str:
+    """sha256 of the K/V bytes of ``slots`` in every layer, every rank's heads (``Engine.kv_rows``)."""
     h = hashlib.sha256(repr(slots).encode())
     if slots:
-        index = torch.tensor(slots, dtype=torch.int64, device=kv_cache.keys[0].device)
-        for t in kv_cache.keys + kv_cache.values:
-            rows = t.view(-1, *t.shape[2:]).index_select(0, index)          # [slots, kv_heads, hd]
-            h.update(rows.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        k, v = engine.kv_rows(range(engine.kv_cache.num_layers), slots)   # [layers, slots, kv_heads, hd]
+        h.update(torch.cat([k, v]).contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -108,5 +106,5 @@ def state_digest(sess, kv: bool = False) -> StateDigest:
         "captures": _h(captures),
     }
     if kv:
-        parts["kv"] = kv_checksum(st.kv_cache, committed_slots(m, pool))
+        parts["kv"] = kv_checksum(st.engine, committed_slots(m, pool))
     return StateDigest(_h(sorted(parts.items())), parts)

@@ -105,12 +105,35 @@ class KVView:
         return self._cache.keys[0].device
 
     def key(self, layer: int) -> torch.Tensor:
-        """The live key cache of ``layer``: [num_blocks, block_size, num_kv_heads, head_dim]."""
-        return self._cache.keys[self._layer(layer)]
+        """The live key cache of ``layer``: [num_blocks, block_size, num_kv_heads, head_dim]. With
+        tensor parallelism a host copy gathered from every rank (the whole layer crosses)."""
+        return self._whole(layer, "key")
 
     def value(self, layer: int) -> torch.Tensor:
-        """The live value cache of ``layer``: [num_blocks, block_size, num_kv_heads, head_dim]."""
-        return self._cache.values[self._layer(layer)]
+        """The live value cache of ``layer``: [num_blocks, block_size, num_kv_heads, head_dim]. With
+        tensor parallelism a host copy gathered from every rank (the whole layer crosses)."""
+        return self._whole(layer, "value")
+
+    def _whole(self, layer: int, kind: str) -> torch.Tensor:
+        layer = self._layer(layer)
+        if self._engine.parallel is not None:
+            return self._engine.parallel.layer(self._cache, layer, kind)
+        return (self._cache.keys if kind == "key" else self._cache.values)[layer]
+
+    @property
+    def head_ranks(self) -> list[range]:
+        """The KV heads each rank holds, in rank order (one range for one device)."""
+        from ..parallel.sharding import head_ranges
+        size = self._engine.config.tensor_parallel_size
+        return head_ranges(self._cache.keys[0].shape[2] * size, size)
+
+    def rows(self, slots, layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies (k, v) [layers, slots, num_kv_heads, head_dim] of ``slots`` (every layer by
+        default), every KV head of the model: with tensor parallelism gathered from the ranks in
+        ``head_ranks`` order."""
+        layers = range(self.num_layers) if layers is None else [self._layer(i) for i in layers]
+        k, v = self._engine.kv_rows(list(layers), [int(s) for s in slots])
+        return k.cpu(), v.cpu()
 
     def slot_of(self, request, position: int) -> int:
         """The slot holding computed ``position`` of a running ``request`` (Request or id)."""
@@ -132,9 +155,8 @@ class KVView:
     def read(self, request, position: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host copies (k, v), each [num_kv_heads, head_dim], of one computed token in ``layer``."""
         layer = self._layer(layer)
-        slot = self.slot_of(request, position)
-        b, o = divmod(slot, self.block_size)
-        return self._cache.keys[layer][b, o].cpu().clone(), self._cache.values[layer][b, o].cpu().clone()
+        k, v = self.rows([self.slot_of(request, position)], [layer])
+        return k[0, 0].clone(), v[0, 0].clone()
 
     def slot(self, slot: int) -> SlotInfo:
         """A snapshot of ``slot``: its last write, write history, current holders, collisions, faults."""
@@ -169,8 +191,12 @@ class KVView:
 
     def __repr__(self) -> str:
         k = self._cache.keys[0]
-        return (f"KVCache({self.num_layers} layers x K/V {list(k.shape)} (blocks, slots, kv heads, head dim), "
-                f"{k.dtype}, {k.device}; {self.num_slots} slots, {len(self._engine.ledger)} written)")
+        shape = list(k.shape[:2]) + [k.shape[2] * len(self.head_ranks), k.shape[3]]
+        ranks = (f"; {len(self.head_ranks)} ranks, KV heads " + ", ".join(
+            f"{r.start}..{r.stop - 1} on rank {i}" for i, r in enumerate(self.head_ranks))
+            if len(self.head_ranks) > 1 else "")
+        return (f"KVCache({self.num_layers} layers x K/V {shape} (blocks, slots, kv heads, head dim), "
+                f"{k.dtype}, {k.device}; {self.num_slots} slots, {len(self._engine.ledger)} written{ranks})")
 
     def _repr_html_(self) -> str:
         from .report_views import kv_html

@@ -185,15 +185,10 @@ def kv_norms(sess, request) -> tuple[torch.Tensor, torch.Tensor]:
     if n == 0:
         raise InvalidRequestError(f"request {req.id} has no K/V in the cache (status {req.status}, "
                                   f"{req.num_computed_tokens} computed tokens)")
-    kv = engine.kv_cache
-    dev = kv.keys[0].device
-    pos = torch.arange(n, device=dev)
-    blocks = torch.tensor(table, device=dev)[pos // bs]
-    offsets = pos % bs
+    slots = [table[p // bs] * bs + p % bs for p in range(n)]
     with torch.no_grad():
-        k = torch.stack([t[blocks, offsets].float().flatten(1).norm(dim=-1) for t in kv.keys])    # [layers, n]
-        v = torch.stack([t[blocks, offsets].float().flatten(1).norm(dim=-1) for t in kv.values])  # [layers, n]
-        return k.cpu(), v.cpu()
+        k, v = engine.kv_rows(range(engine.kv_cache.num_layers), slots)      # [layers, n, kv_heads, hd]
+        return k.float().flatten(2).norm(dim=-1).cpu(), v.float().flatten(2).norm(dim=-1).cpu()
 
 
 def plot_kv_norms(sess, request):

@@ -44,8 +44,7 @@ def inspect_slot(sess, slot: int) -> SlotDetail:
     info = engine.manager.pool.block(block)
     history = tuple((w.request_id, w.position, w.step) for w in slot_info.history)
     with torch.no_grad():
-        k = torch.stack([t[block, offset].float().norm() for t in kv.keys])     # [layers]
-        v = torch.stack([t[block, offset].float().norm() for t in kv.values])   # [layers]
-        norms = torch.stack([k, v]).cpu().tolist()                             # [2, layers]
+        k, v = engine.kv_rows(range(kv.num_layers), [slot])                    # [layers, 1, kv_heads, hd]
+        norms = torch.stack([k.float().flatten(1).norm(dim=1), v.float().flatten(1).norm(dim=1)]).cpu().tolist()
     return SlotDetail(slot, block, offset, info.ref_count, info.block_hash is not None, slot_info.held_by,
                       history, tuple(round(x, 4) for x in norms[0]), tuple(round(x, 4) for x in norms[1]))

@@ -238,6 +238,10 @@ def take_session(sess) -> SessionSnapshot:
                 ("chunk_size", c.chunk_size), ("max_model_len", c.max_model_len),
                 ("decode_padding", c.decode_padding), ("slot_check", c.slot_check),
                 ("device_outputs", "on" if c.device_outputs else "off"))
+    if c.tensor_parallel_size > 1:
+        heads = mc.num_key_value_heads // c.tensor_parallel_size
+        settings += (("tensor_parallel_size", f"{c.tensor_parallel_size} ({heads} KV head"
+                                              f"{'s' * (heads > 1)} per rank)"),)
     last = sess.history[-1] if sess.history else None
     bs = c.block_size
     emulator = getattr(engine, "faults", None)

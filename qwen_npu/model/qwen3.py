@@ -54,15 +54,23 @@ class Qwen3Model:
     """Qwen3ForCausalLM forward over a paged KV cache; stateless between calls."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels, *,
-                 max_positions: int | None = None, consume: bool = False):
+                 max_positions: int | None = None, consume: bool = False,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 full_config: ModelConfig | None = None):
         """``weights`` by Hugging Face name (``loader.load_checkpoint``). A kernel set with a
         ``prepare_weight`` holds the matrices (q|k|v, o, gate|up, down, the LM head) in its own
         form, made here once; ``layers[i].o`` and the like are then that form (``dense_weight``
         gives the plain matrix), while ``embed`` and ``lm_head`` stay plain for the embedding
         lookup and the research tools (a reordered LM head is a second copy: ``head``).
         ``consume``: take each matrix out of ``weights`` as its layer is built, so that a plain
-        matrix whose prepared form exists is freed before the next layer is prepared."""
+        matrix whose prepared form exists is freed before the next layer is prepared.
+        ``all_reduce``: with tensor parallelism (``parallel/``), ``config`` is one rank's share
+        (its heads, its MLP columns), the weights its slices, and the partial sums after o_proj
+        and down_proj are summed over the ranks by this call; ``full_config`` is the checkpoint's
+        shape (``config`` without it)."""
         self.config = config
+        self.full_config = full_config or config
+        self.all_reduce = all_reduce
         self.kernels = kernels
         c = config
         prepare = getattr(kernels, "prepare_weight", None)
@@ -151,12 +159,18 @@ class Qwen3Model:
             attn = k_.paged_attention(q, key_cache, value_cache, meta, self.scale)   # [tokens, heads, hd]
             tap.read(p.scores, attention_scores, q, key_cache, meta, self.scale, invariant)   # only when wanted
             attn = tap(p.z, attn)
-            x = tap(p.attn_out, linear(attn.reshape(t, self.qkv_sizes[0]), layer.o))   # [tokens, hidden]
+            x = linear(attn.reshape(t, self.qkv_sizes[0]), layer.o)                  # [tokens, hidden]
+            if self.all_reduce is not None:
+                x = self.all_reduce(x)                 # this rank's heads' share, summed over ranks
+            x = tap(p.attn_out, x)
             h, residual = k_.add_rms_norm(x, residual, layer.post_norm, eps)
             residual, h = tap.stream(p.resid_mid, residual, h, layer.post_norm)
             h = tap(p.mlp_in, h)
             act = tap(p.mlp_act, silu_mul(linear(h, layer.gate_up)))          # [tokens, intermediate]
-            x = tap(p.mlp_out, linear(act, layer.down))                       # [tokens, hidden]
+            x = linear(act, layer.down)                                          # [tokens, hidden]
+            if self.all_reduce is not None:
+                x = self.all_reduce(x)
+            x = tap(p.mlp_out, x)
             x, residual = tap.residual(p.residual, x, residual)   # with a hook: the stream made whole
         x, residual = x[logits_index], residual[logits_index]               # [rows_out, hidden]
         h, _ = k_.add_rms_norm(x, residual, self.norm, eps)

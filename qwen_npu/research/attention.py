@@ -107,6 +107,9 @@ class AttentionPattern:
 
 def attention_pattern(sess, request, layer: int, head=None, positions=None) -> AttentionPattern:
     """See the module docstring; arguments are checked before anything runs."""
+    from ..parallel.group import refuse_with_ranks
+    refuse_with_ranks(sess._engine, "sess.attention (a side forward on rank 0)",
+                      f"capture 'layers.{layer}.attn.scores' during a step instead: it is gathered from every rank")
     mc = sess.model_config
     req = sess.request(getattr(request, "id", request))
     manager = sess.state.manager

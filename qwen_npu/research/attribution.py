@@ -95,6 +95,8 @@ class LogitAttribution:
 def direct_logit_attribution(sess, cap, request, target: int, baseline: int | None = None, *,
                              position: int = -1) -> LogitAttribution:
     """Per-head and per-MLP direct contributions (see module docstring) from ``cap``."""
+    from ..parallel.group import refuse_with_ranks
+    refuse_with_ranks(sess._engine, "direct_logit_attribution (it reads every head's o_proj)")
     model, c = sess.model, sess.model_config
     rid = getattr(request, "id", request)
     for t in (target, baseline):

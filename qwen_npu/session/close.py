@@ -37,13 +37,15 @@ def close_session(sess) -> None:
         draft, leave = branch_closing(sess)      # a branch frees only its own requests' blocks
         commit(engine, Commit(draft=draft, session=sess, then=(leave, lambda: _closed(sess))))
         return
-    model, dev = sess.model, sess.model.device
+    model, dev, parallel = sess.model, sess.model.device, engine.parallel
     branches = engine.branches.sessions() if getattr(engine, "branches", None) is not None else []
     sessions = [sess] + [b for b in branches if b is not sess]
 
     then = (functools.partial(_free, engine, model, sessions),)
     commit(engine, Commit(then=then))
     del then, engine, model, sessions, branches             # the last references: gc frees them
+    if parallel is not None:
+        parallel.close()                # the other ranks leave the group; no process outlives this
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

@@ -97,9 +97,12 @@ def fork_session(sess, sampling=None):
     every forked request's sampling from its next token on (``max_new_tokens`` still counts all of
     the request's output); None keeps each request's own, and its random stream continues exactly
     where the parent's is, so an unchanged child samples what the parent samples.
+    Refused with tensor parallelism (the fork's block copy would run on rank 0 only).
 
     A transaction like a step: the block copies are planned on a draft of the cache manager, and
     nothing the parent or the engine holds changes unless the whole fork succeeds."""
+    from ..parallel.group import refuse_with_ranks
+    refuse_with_ranks(sess._engine, "fork", "open a second Session to compare branches")
     st = sess.state
     check_not_pending(sess.last_step, "fork", st.requests)
     engine = st.engine

@@ -50,22 +50,74 @@ def load_session(path, options: SessionOptions) -> tuple[Qwen3Model, SessionConf
     # A set that holds the matrices in its own form gets plain tensors, not arena views: each
     # plain matrix is freed once its prepared form exists (an arena would keep its pages).
     prepares = getattr(kernels, "prepares_weights", lambda dtype: False)(dtype)
-    _, weights = load_checkpoint(path, dtype=load_dtype, device=dev, arena=not prepares)
-    model = Qwen3Model(mc, weights, kernels, max_positions=max_model_len, consume=prepares)
-    del weights
-    num_blocks = o.num_blocks
-    if o.kv_memory is not None:
-        num_blocks = memory.blocks_for_model(o.kv_memory, mc, model.dtype, dev, block_size)
-    if num_blocks is None:
-        num_blocks = default_num_blocks(mc, model.dtype, dev, o.max_batch, max_model_len, block_size)
+    size, parallel = o.tensor_parallel_size, None
+    if size > 1:
+        model, num_blocks, parallel = load_parallel(path, o, mc, dev, kernels, kernel_name, dtype, block_size,
+                                                    max_model_len, prepares)
+    else:
+        _, weights = load_checkpoint(path, dtype=load_dtype, device=dev, arena=not prepares)
+        model = Qwen3Model(mc, weights, kernels, max_positions=max_model_len, consume=prepares)
+        del weights
+        num_blocks = kv_blocks(o, mc, model.dtype, dev, max_model_len, block_size)
     config = SessionConfig(
         device=str(dev), dtype=str(model.dtype).removeprefix("torch."), max_batch=o.max_batch,
         block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=o.chunk_size,
         prefix_cache=o.prefix_cache, device_outputs=device_outputs, slot_check=o.slot_check,
         decode_padding=o.decode_padding, kernels=kernel_name, deterministic=o.deterministic,
         sync_timings=sync_timings, mixed_steps=o.mixed_steps, speculative=o.speculative,
-        num_speculative_tokens=0 if o.speculative is None else o.num_speculative_tokens or 3)
-    return model, config, Tokenizer.load(path)
+        num_speculative_tokens=0 if o.speculative is None else o.num_speculative_tokens or 3,
+        tensor_parallel_size=size)
+    return model, config, Tokenizer.load(path), parallel
+
+
+def kv_blocks(o: SessionOptions, mc: ModelConfig, dtype, dev, max_model_len: int, block_size: int) -> int:
+    """The cache's block count: ``num_blocks``, or what ``kv_memory`` or the default budget
+    holds of blocks of ``mc``'s KV heads (one rank's, with tensor parallelism)."""
+    if o.num_blocks is not None:
+        return o.num_blocks
+    if o.kv_memory is not None:
+        return memory.blocks_for_model(o.kv_memory, mc, dtype, dev, block_size)
+    return default_num_blocks(mc, dtype, dev, o.max_batch, max_model_len, block_size)
+
+
+def load_parallel(path: Path, o: SessionOptions, mc: ModelConfig, dev, kernels, kernel_name: str, dtype,
+                  block_size: int, max_model_len: int, prepares: bool):
+    """Rank 0's shard, the cache's block count, and the started group of the other ranks.
+
+    Rank ``r`` runs on device index ``r`` of rank 0's device type, so rank 0 must be on index 0.
+    The workers start first and load their shards while rank 0 loads its own."""
+    import os
+    from ..parallel.collectives import Collectives
+    from ..parallel.group import TensorParallelGroup
+    from ..parallel.sharding import check_tensor_parallel, shard_config, shard_weights
+    from ..parallel.worker import RankSpec
+    size = o.tensor_parallel_size
+    where = f"Session.from_pretrained({path}, tensor_parallel_size={size})"
+    check_tensor_parallel(mc, size, where)
+    if dev.type != "cpu":
+        if dev.index not in (None, 0):
+            raise InvalidRequestError(f"{where}: rank r runs on {dev.type}:r, so rank 0 (this process) must be on "
+                                      f"{dev.type}:0, not {dev}")
+        count = devices.device_count(dev.type)
+        if count < size:
+            raise InvalidRequestError(f"{where}: {size} ranks need {size} {dev.type} devices; {count} are visible")
+    shard = shard_config(mc, size)
+    num_blocks = kv_blocks(o, shard, dtype, dev, max_model_len, block_size)
+    spec = RankSpec(path=str(path), dtype=str(dtype).removeprefix("torch."), device_type=dev.type,
+                    kernels=kernel_name, block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
+                    size=size, backend={"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[dev.type],
+                    store_host="127.0.0.1", store_port=0,
+                    timeout_s=float(os.environ.get("QWEN_NPU_TP_TIMEOUT_S", "120")),
+                    threads=max(1, torch.get_num_threads() // size))
+    group = TensorParallelGroup.start(spec)
+    try:
+        _, weights = load_checkpoint(path, dtype=spec.dtype, device=dev, arena=False)
+        model = Qwen3Model(shard, shard_weights(weights, 0, size), kernels, max_positions=max_model_len,
+                           consume=prepares, all_reduce=Collectives(0, size).all_reduce, full_config=mc)
+    except BaseException:
+        group.close()
+        raise
+    return model, num_blocks, group
 
 
 def default_num_blocks(mc: ModelConfig, dtype, dev, max_batch, max_model_len, block_size) -> int:

@@ -63,6 +63,9 @@ class SessionOptions:
                                             "each request's own tokens, several tokens per decode row")
     num_speculative_tokens: int | None = _option(None, "drafts per decode row; None = 3 with speculative, "
                                                        "else not allowed")
+    tensor_parallel_size: int = _option(1, "ranks the model is split over, one device each, through "
+                                           "torch.distributed (gloo on cpu, nccl on cuda, hccl on npu); "
+                                           "this process is rank 0")
 
     def __post_init__(self):
         self.validate()
@@ -104,6 +107,12 @@ class SessionOptions:
         if self.speculative is not None and self.speculative not in DRAFTERS:
             self._bad("speculative", f"must be None (off) or one of {', '.join(map(repr, DRAFTERS))}")
         self._int("num_speculative_tokens", optional=True)
+        self._int("tensor_parallel_size", optional=False)
+        if self.tensor_parallel_size > 1:
+            for name, on in (("speculative", self.speculative is not None), ("deterministic", self.deterministic)):
+                if on:
+                    self._bad(name, f"is not available with tensor_parallel_size={self.tensor_parallel_size} yet "
+                                    f"(one rank only)")
         if self.num_speculative_tokens is not None and self.speculative is None:
             self._bad("num_speculative_tokens", "needs speculative='ngram' (drafts need a drafter)")
 

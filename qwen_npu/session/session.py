@@ -42,14 +42,14 @@ class Session(SessionSteps, SessionGenerate):
     """One model, its paged KV cache and its requests. Create with ``Session.from_pretrained``."""
 
     def __init__(self, model: Qwen3Model, config: SessionConfig, *, path: Path | None = None,
-                 tokenizer: Tokenizer | None = None, engine: Engine | None = None):
+                 tokenizer: Tokenizer | None = None, engine: Engine | None = None, parallel=None):
         self.config = config
-        self.model_config: ModelConfig = model.config
+        self.model_config: ModelConfig = model.full_config      # the checkpoint's shape, on any rank count
         self.path = path
         self.tokenizer = tokenizer
         self.model = model
         self._owns_engine = engine is None
-        self._engine = engine if engine is not None else Engine(model, config, CallGate())   # shared by forks
+        self._engine = engine if engine is not None else Engine(model, config, CallGate(), parallel)   # forks share it
         self._scheduler = Scheduler(max_batch=config.max_batch, chunk_size=config.chunk_size)
         self._init_state()
 
@@ -72,8 +72,8 @@ class Session(SessionSteps, SessionGenerate):
         read (``InvalidRequestError``; an unknown keyword: ``UnknownOptionError``)."""
         opts = SessionOptions.from_kwargs(options)
         path = checkpoint_folder(path, opts.revision)
-        model, config, tokenizer = load_session(path, opts)
-        return cls(model, config, path=path, tokenizer=tokenizer)
+        model, config, tokenizer, parallel = load_session(path, opts)
+        return cls(model, config, path=path, tokenizer=tokenizer, parallel=parallel)
 
     # ---- requests -----------------------------------------------------------------------------------
     @exclusive

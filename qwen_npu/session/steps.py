@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import signal
 import threading
 
 import torch
@@ -19,8 +18,8 @@ from ..engine import speculative
 from ..engine.plan import StepResult
 from ..engine.request import DECODING, PREFILLING, WAITING, Request
 from ..engine.step import Commit, check_not_pending, commit, run_step, sample_step
-from ..engine.transaction import HeldInterrupts, StepDraft
-from ..errors import InvalidRequestError, SessionBusyError, StaleOutputError, warn
+from ..engine.transaction import StepDraft, hold_interrupts, release_interrupts
+from ..errors import InvalidRequestError, SessionBusyError, StaleOutputError
 
 
 class CallGate:
@@ -75,7 +74,7 @@ def exclusive(method=None, *, changes_state: bool = True, returns_handle: bool =
         gate = None if getattr(self, "_closed", False) else getattr(self._engine, "calls", None)
         if gate is None:                                    # a closed session: the call says so
             return method(self, *args, **kwargs)
-        held = _hold()
+        held = hold_interrupts()
         try:
             gate.enter(name, changes_state=changes_state)
             try:
@@ -85,32 +84,8 @@ def exclusive(method=None, *, changes_state: bool = True, returns_handle: bool =
             finally:
                 gate.leave()
         finally:
-            _release(held, name if returns_handle else None)
+            release_interrupts(held, name if returns_handle else None)
     return call
-
-
-def _hold():
-    """Install the holding handler for an outermost call on the main thread (None otherwise)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    current = signal.getsignal(signal.SIGINT)
-    if isinstance(current, HeldInterrupts) or current is None:
-        return None                              # a call inside a call, or a handler not set from Python
-    held = HeldInterrupts(current)
-    signal.signal(signal.SIGINT, held)
-    return held
-
-
-def _release(held, keeps: str | None = None) -> None:
-    """Give the previous handler back; deliver a Ctrl-C held back since the commit (as a
-    warning for a call that ``keeps`` what it made)."""
-    if held is None:
-        return
-    signal.signal(signal.SIGINT, held.previous)
-    if held.pending and keeps is not None:
-        warn(f"Ctrl-C arrived as {keeps}() finished; what it made is kept and returned", RuntimeWarning)
-    elif held.pending:
-        held.deliver()
 
 
 class SessionSteps:

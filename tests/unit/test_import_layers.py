@@ -28,11 +28,12 @@ LAYERS = [
     ("model", 4, ["qwen_npu.model"]),
     ("cache", 4, ["qwen_npu.cache"]),
     ("engine", 5, ["qwen_npu.engine", "qwen_npu.dump"]),
-    ("session", 6, ["qwen_npu.session"]),
-    ("inspect", 7, ["qwen_npu.inspect"]),
-    ("research", 8, ["qwen_npu.research"]),
-    ("integrations", 9, ["qwen_npu.integrations"]),
-    ("tools", 10, ["qwen_npu.__main__", "qwen_npu.tools", "qwen_npu.train",
+    ("parallel", 6, ["qwen_npu.parallel"]),
+    ("session", 7, ["qwen_npu.session"]),
+    ("inspect", 8, ["qwen_npu.inspect"]),
+    ("research", 9, ["qwen_npu.research"]),
+    ("integrations", 10, ["qwen_npu.integrations"]),
+    ("tools", 11, ["qwen_npu.__main__", "qwen_npu.tools", "qwen_npu.train",
                   "qwen_npu.research.capture_bench"]),    # a benchmark script: it loads a Session
 ]
 TOP = "qwen_npu"          # the package's __init__: it assembles every layer, nothing imports it back

@@ -14,7 +14,7 @@ DOCUMENTED = {"device": "auto", "dtype": "auto", "max_batch": 16, "block_size": 
                   "max_model_len": None, "chunk_size": 512, "prefix_cache": True, "device_outputs": None,
                   "slot_check": "raise", "decode_padding": "runtime", "kernels": "auto", "kv_memory": None,
                   "deterministic": False, "sync_timings": None, "mixed_steps": False, "revision": None,
-                  "speculative": None, "num_speculative_tokens": None}
+                  "speculative": None, "num_speculative_tokens": None, "tensor_parallel_size": 1}
 
 
 def test_from_pretrained_shows_every_option_with_its_default():
