@@ -303,23 +303,3 @@ class ModelRunner:
         logits_buf = b.output(kind, "logits", b.max_logits[kind], cfg.vocab_size, torch.float32, pair)
         hidden_buf = b.output(kind, "hidden", b.max_logits[kind], cfg.hidden_size, self.model.dtype, pair)
         return logits_buf, hidden_buf
-
-
-def recompute_kv(model, token_ids: list[int], block_size: int) -> KVCache:
-    """The K/V of ``token_ids`` from one prefill row over a scratch cache whose blocks are
-    ``0, 1, 2, ...`` in order, so position p lives in slot p."""
-    c, device = model.config, model.device
-    n = len(token_ids)
-    nb = -(-n // block_size)
-    scratch = KVCache(c.num_hidden_layers, nb, block_size, c.num_key_value_heads, c.head_dim, model.dtype, device)
-    pos = torch.arange(n, dtype=torch.int64).to(device)                          # [n]
-    meta = AttentionMetadata(
-        positions=pos, slot_mapping=pos,
-        block_tables=torch.arange(nb, dtype=torch.int32).to(device)[None],       # [1, nb]
-        seq_lens=torch.tensor([n], dtype=torch.int32).to(device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32).to(device),
-        query_lens_host=(n,), seq_lens_host=(n,), is_decode=False)
-    with torch.no_grad():
-        model(torch.tensor(token_ids, dtype=torch.int64).to(device), meta, scratch.layers(),
-              torch.tensor([n - 1], dtype=torch.int64).to(device))
-    return scratch

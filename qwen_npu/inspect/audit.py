@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from ..cache.kv_cache import KVCache
-from ..engine.runner import recompute_kv
+from ..engine.recompute import recompute_kv
 from ..errors import InvalidRequestError
 
 SHOWN = 20

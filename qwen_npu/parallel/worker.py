@@ -228,7 +228,7 @@ class Worker:
 
     def audit(self, token_ids: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's recomputed (k, v) [layers, n, kv_heads of this rank, head_dim] of ``token_ids``."""
-        from ..engine.runner import recompute_kv
+        from ..engine.recompute import recompute_kv
         scratch = recompute_kv(self.model, token_ids, block_size)
         n = len(token_ids)
         return (torch.stack([t.flatten(0, 1)[:n] for t in scratch.keys]).cpu(),
