@@ -28,7 +28,7 @@ import torch
 
 from ..engine.transaction import hold_interrupts, release_interrupts
 from .collectives import TensorParallelError
-from .worker import RankSpec, confirm_plan, init_group, main, open_store
+from .worker import RankSpec, confirm_plan, init_group, main, open_store, select_device
 
 
 @dataclasses.dataclass
@@ -58,6 +58,7 @@ class TensorParallelGroup:
                 "(another tensor-parallel Session is open, or the program made one); close that first")
         ctx = multiprocessing.get_context("spawn")
         ranks = []
+        select_device(spec.device_type, 0)        # before the group, as nccl and hccl want
         store = open_store(spec, 0)
         spec = dataclasses.replace(spec, store_port=store.port)
         try:

@@ -51,6 +51,16 @@ class RankSpec:
     deterministic: bool = False
 
 
+def select_device(device_type: str, rank: int) -> torch.device:
+    """Rank ``rank``'s device, made the process's current one (torch_npu loaded first on an NPU)."""
+    if device_type == "npu":
+        from ..device import load_torch_npu
+        load_torch_npu().npu.set_device(rank)
+    elif device_type == "cuda":
+        torch.cuda.set_device(rank)
+    return torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
+
+
 def plan_hash(plan: dict) -> int:
     """A signed 64-bit digest of a step's plan (what every rank confirms before its forward)."""
     digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).digest()
@@ -112,13 +122,7 @@ class Worker:
         from .sharding import shard_config, shard_weights
         torch.set_num_threads(spec.threads)
         self.rank, self.spec = rank, spec
-        self.device = torch.device("cpu") if spec.device_type == "cpu" else torch.device(spec.device_type, rank)
-        if spec.device_type == "npu":
-            from ..device import load_torch_npu
-            load_torch_npu()
-            torch.npu.set_device(rank)
-        elif spec.device_type == "cuda":
-            torch.cuda.set_device(rank)
+        self.device = select_device(spec.device_type, rank)
         self.store, self.cpu_group = init_group(spec, rank)
         self.comms = Collectives(rank, spec.size)
         mc, weights = load_checkpoint(spec.path, dtype=spec.dtype, device=self.device, arena=False)
