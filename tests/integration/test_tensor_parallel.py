@@ -12,6 +12,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 import qwen_npu
 from qwen_npu import InvalidRequestError, SamplingParams
@@ -284,3 +285,19 @@ def test_a_failure_inside_a_workers_forward_loses_the_group_naming_the_rank():
     finally:
         sess.close()
     assert not alive(pid)
+
+
+@pytest.mark.parametrize("device, visible, message", [
+    ("cuda:1", 4, "rank 0 \\(this process\\) must be on cuda:0, not cuda:1"),
+    ("cuda:0", 1, "2 ranks need 2 cuda devices; 1 are visible"),
+])
+def test_too_few_devices_or_rank_0_elsewhere_is_refused_before_any_process_starts(monkeypatch, device, visible,
+                                                                                 message):
+    import qwen_npu.device as devices
+    import qwen_npu.parallel.group as group_module
+    monkeypatch.setattr(devices, "resolve_device", lambda spec: torch.device(device))
+    monkeypatch.setattr(devices, "device_count", lambda kind: visible)
+    monkeypatch.setattr(group_module.TensorParallelGroup, "start", lambda *a, **k: pytest.fail("a process started"))
+    with pytest.raises(InvalidRequestError, match=message):
+        qwen_npu.Session.from_pretrained(tiny_trained_qwen3(), device=device, tensor_parallel_size=2,
+                                         kernels="reference")
