@@ -7,6 +7,6 @@
                     gathers slots and audits, stops them
 """
 from .collectives import TensorParallelError
-from .group import inject_rank_fault
+from .group import inject_rank_fault, worker_pids
 
-__all__ = ["TensorParallelError", "inject_rank_fault"]
+__all__ = ["TensorParallelError", "inject_rank_fault", "worker_pids"]

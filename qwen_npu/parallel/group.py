@@ -31,6 +31,12 @@ from .collectives import TensorParallelError
 from .worker import RankSpec, confirm_plan, init_group, main, open_store, select_device
 
 
+STATE_TAIL = "; the Session's state is as before the call that found it; close() it and open a new one"
+START_HINT = ("; the tensor-parallel Session did not start. The workers are spawned: they import the program's "
+              "main module, so a script must open the Session under `if __name__ == \"__main__\":` (a "
+              "notebook need not)")
+
+
 @dataclasses.dataclass
 class Rank:
     index: int
@@ -68,16 +74,24 @@ class TensorParallelGroup:
                 p.start()
                 theirs.close()
                 ranks.append(Rank(r, p, ours))
-            store, cpu_group = init_group(spec, 0, store)
-            group = cls(spec, ranks, store, cpu_group)
         except BaseException:
             _stop(ranks)
             raise
+        group = cls(spec, ranks, store, None)
         try:
+            for rank in ranks:          # a worker that cannot even import says so here, not in a timeout
+                group._answer(rank, load_timeout_s, "start")
+            try:
+                _, group.cpu_group = init_group(spec, 0, store)
+            except Exception as e:
+                raise group._lost(f"joining the process group ({str(e).splitlines()[0]})") from None
             for rank in ranks:
                 kind, arg = group._answer(rank, load_timeout_s, "load its shard")
                 if kind != "ready":
                     raise TensorParallelError(f"rank {rank.index} could not start:\n{arg}")
+        except TensorParallelError as e:
+            group.close()
+            raise TensorParallelError(f"{e}".replace(STATE_TAIL, "") + START_HINT) from None
         except BaseException:
             group.close()
             raise
@@ -216,7 +230,8 @@ class TensorParallelGroup:
         try:
             return rank.conn.recv()
         except (EOFError, OSError) as e:
-            raise self._lost(f"rank {rank.index} closed its pipe before it could {what} ({e})") from None
+            raise self._lost(f"rank {rank.index} closed its pipe before it could {what}"
+                             + (f" ({e})" if str(e) else "")) from None
 
     def lost_during(self, what: str, error: BaseException) -> TensorParallelError:
         """The group broke while rank 0 was doing ``what``: the error to raise, naming first the
@@ -239,8 +254,7 @@ class TensorParallelGroup:
         dead = [f"rank {r.index} (pid {r.process.pid}) exited with code {r.process.exitcode}"
                 for r in self.ranks if not r.process.is_alive()]
         self.broken = ("the tensor-parallel group is lost: " + (", ".join(dead) + "; found while " if dead else "")
-                       + why[:300] + "; the Session's state is as before the call that found it; close() it "
-                       "and open a new one")
+                       + why[:300] + STATE_TAIL)
         _stop(self.ranks, grace_s=1.0)
         return TensorParallelError(self.broken)
 
@@ -267,6 +281,12 @@ def _stop(ranks: list[Rank], grace_s: float = 5.0) -> None:
             r.conn.close()
         except OSError:
             pass
+
+
+def worker_pids(sess) -> list[int]:
+    """The process ids of ranks 1..N-1 of a tensor-parallel Session, in rank order ([] for one rank)."""
+    group = getattr(sess._engine, "parallel", None)
+    return [] if group is None else group.pids()
 
 
 def inject_rank_fault(sess, fault: str, rank: int = 1) -> None:

@@ -99,6 +99,7 @@ def main(rank: int, spec: RankSpec, conn) -> None:
     """The worker process (``multiprocessing`` spawn target; importable from a notebook)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
+    conn.send(("started", os.getpid()))
     try:
         worker = Worker(rank, spec)
     except BaseException:
@@ -205,7 +206,7 @@ class Worker:
         self.pending = (m["index"], guard)
         if "fail_after_forward" in self.faults:
             self.faults.discard("fail_after_forward")
-            return ("error", f"rank {self.rank}: an injected fault after the forward of step {m['index']}")
+            return ("error", f"an injected fault after the forward of step {m['index']}")
         return ("done", None)
 
     def forward(self, plan: dict, wanted: frozenset[str]) -> None:

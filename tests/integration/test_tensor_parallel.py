@@ -301,3 +301,19 @@ def test_too_few_devices_or_rank_0_elsewhere_is_refused_before_any_process_start
     with pytest.raises(InvalidRequestError, match=message):
         qwen_npu.Session.from_pretrained(tiny_trained_qwen3(), device=device, tensor_parallel_size=2,
                                          kernels="reference")
+
+
+def test_a_script_without_the_main_guard_is_told_why_at_once(tmp_path):
+    """Spawned workers import the main module; without ``if __name__ == "__main__":`` each one
+    fails before it starts, and rank 0 says so at once instead of waiting for the timeout."""
+    import subprocess
+    import sys
+    script = tmp_path / "no_guard.py"
+    script.write_text("import qwen_npu\nfrom qwen_npu.testing import tiny_trained_qwen3\n"
+                      "qwen_npu.Session.from_pretrained(tiny_trained_qwen3(), kernels='reference', "
+                      "tensor_parallel_size=2, num_blocks=8, block_size=4)\n")
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "QWEN_NPU_TP_TIMEOUT_S": "60"})
+    assert run.returncode != 0 and time.monotonic() - started < 50
+    assert "rank 1 (pid" in run.stderr and 'if __name__ == "__main__":' in run.stderr
