@@ -87,20 +87,29 @@ class GatheringHook:
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
         if name in RANK0_POINTS:             # rank 0's rows that get logits; the others have none
-            return self.inner(name, x) if self.inner is not None else None
+            return self._inner(name, x)
         dim = shard_dim(name)
         whole = x if dim is None else self.comms.all_gather(x, dim)
-        edited = None
-        if self.inner is not None and self.error is None:
-            try:
-                edited = self.inner(name, whole)
-            except Exception as e:          # raised after the forward, on rank 0
-                self.error = e
-        edited = self.comms.broadcast_edit(edited, whole)
+        edited = self.comms.broadcast_edit(self._inner(name, whole), whole)
         if edited is None or dim is None:
             return edited
         n = x.shape[dim]
         return edited.narrow(dim, self.comms.rank * n, n).contiguous()
+
+    def _inner(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0's hook at ``name``, its exception kept for after the forward; None elsewhere."""
+        if self.inner is None or self.error is not None:
+            return None
+        try:
+            edited = self.inner(name, x)
+        except Exception as e:              # raised after the forward, on rank 0
+            self.error = e
+            return None
+        if edited is not None and edited.shape != x.shape:
+            self.error = TensorParallelError(f"the hook at {name!r} returned shape {tuple(edited.shape)} for "
+                                             f"a tensor of shape {tuple(x.shape)}; a hook returns the same shape")
+            return None
+        return edited
 
     def private_requests(self) -> dict[int, str]:
         return self.inner.private_requests() if self.inner is not None else {}

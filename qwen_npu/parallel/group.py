@@ -50,8 +50,9 @@ class TensorParallelGroup:
         self.size = spec.size
         self.broken: str | None = None
         self.closed = False
-        self._lock = threading.RLock()
-        self._finalizer = weakref.finalize(self, _stop, list(ranks))
+        self._lock = threading.Lock()
+        self._owner: int | None = None      # the thread inside an exchange
+        self._finalizer = weakref.finalize(self, _abandon, list(ranks))
         atexit.register(self._finalizer)
 
     @classmethod
@@ -101,15 +102,26 @@ class TensorParallelGroup:
     def exchange(self, what: str):
         """One exchange with the workers at a time, whole: a lock (another thread waits at most
         ``timeout_s``), and Ctrl-C held back until the exchange is over, so no answer is left
-        unread and no rank is left in a collective (a step already holds it back)."""
-        if not self._lock.acquire(timeout=self.spec.timeout_s):
-            raise TensorParallelError(f"{what}: another thread has been talking to the workers for "
-                                      f"{self.spec.timeout_s:g} s")
+        unread and no rank is left in a collective (a step already holds it back). An exchange
+        begun inside another on the same thread (a cache read from a hook during a step's
+        forward, while the workers wait in a collective) is refused at once."""
         held = hold_interrupts()
+        acquired = False
         try:
+            if self._owner == threading.get_ident():
+                raise TensorParallelError(
+                    f"{what}: the other ranks are inside a step's forward, which this call was made from (a "
+                    f"hook or a callback); read the cache after the step, or capture the hook point instead")
+            acquired = self._lock.acquire(timeout=self.spec.timeout_s)
+            if not acquired:
+                raise TensorParallelError(f"{what}: another thread has been talking to the workers for "
+                                          f"{self.spec.timeout_s:g} s")
+            self._owner = threading.get_ident()
             yield
         finally:
-            self._lock.release()
+            if acquired:
+                self._owner = None
+                self._lock.release()
             release_interrupts(held)
 
     # ---- steps --------------------------------------------------------------------------------------
@@ -246,17 +258,46 @@ class TensorParallelGroup:
             except (EOFError, OSError):
                 pass
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return self._lost("; ".join(reports) if reports else f"rank 0 failed during {what} ({first})")
+        return self._lost("; ".join(reports) if reports else f"{what} did not complete on every rank ({first})")
 
     def _lost(self, why: str) -> TensorParallelError:
         """The group cannot go on: remember why, stop the workers, and return the error to raise."""
         time.sleep(0.05)                     # a peer's broken connection can arrive before its exit code
-        dead = [f"rank {r.index} (pid {r.process.pid}) exited with code {r.process.exitcode}"
-                for r in self.ranks if not r.process.is_alive()]
-        self.broken = ("the tensor-parallel group is lost: " + (", ".join(dead) + "; found while " if dead else "")
+        seen = [rank_state(r) for r in self.ranks]
+        named = [s for s in seen if s is not None]
+        if not named and "time" in why.lower():
+            named = [f"rank {r.index} (pid {r.process.pid}) is running but did not take part in time (busy or stuck)"
+                     for r in self.ranks]
+        self.broken = ("the tensor-parallel group is lost: " + (", ".join(named) + "; found while " if named else "")
                        + why[:300] + STATE_TAIL)
         _stop(self.ranks, grace_s=1.0)
         return TensorParallelError(self.broken)
+
+
+def rank_state(rank: Rank) -> str | None:
+    """What is wrong with a worker's process, or None when it runs."""
+    if not rank.process.is_alive():
+        return f"rank {rank.index} (pid {rank.process.pid}) exited with code {rank.process.exitcode}"
+    try:
+        with open(f"/proc/{rank.process.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    if state in ("T", "t"):
+        return f"rank {rank.index} (pid {rank.process.pid}) is stopped (a signal or a debugger)"
+    return None
+
+
+def _abandon(ranks: list[Rank]) -> None:
+    """A group dropped without ``close`` (its Session garbage collected, or lost half way through
+    its start): stop its workers and leave the process group, so a new Session can form one."""
+    _stop(ranks)
+    import torch.distributed as dist
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
 
 
 def _stop(ranks: list[Rank], grace_s: float = 5.0) -> None:

@@ -10,8 +10,10 @@ commands (``group.py`` sends them through a pipe; the tensors of a step through
     fault     arm a test fault for the next step (``FAULTS``)
     close     leave the group and exit
 
-Any command but ``rollback`` first drops the copy kept for the last step: rank 0 sends
-``rollback`` before anything else when a step fails, so the step has committed otherwise. A
+The copy kept for the last step lives until the next ``step`` (reads, audits and faults leave
+it, so a read from another thread between a failed step and its rollback cannot cancel the
+rollback): rank 0 sends ``rollback`` before the next step when a step fails, so a step that
+reaches the next one has committed. A
 failure inside the forward cannot be rolled back here (the other ranks wait in a collective):
 the rank reports it and exits, and rank 0 reports the rank lost. SIGINT is ignored: rank 0 holds
 the Ctrl-C of the notebook and tells every rank what to do. The loop exits when rank 0's process
@@ -155,7 +157,6 @@ class Worker:
             if kind == "rollback":
                 conn.send(("ok", self.rollback(arg)))
                 continue
-            self.pending = None
             if kind == "close":
                 conn.send(("ok", None))
                 return
@@ -188,6 +189,7 @@ class Worker:
 
     def step(self, m: dict):
         from ..engine.transaction import KVGuard
+        self.pending = None                  # the last step committed: rank 0 would have rolled it back
         plan = m["plan"]
         if "corrupt_plan" in self.faults:
             self.faults.discard("corrupt_plan")

@@ -155,8 +155,7 @@ class Capture(CaptureViews, HookEntry):
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks.detach(self._sess.state.engine, self)
-        self.active = False
+        hooks.leave(self._sess.state.engine, self)
 
     def _over_budget(self, need: int, what: str) -> str:
         return (f"capture of {', '.join(self.names[:3])}{' ...' if len(self.names) > 3 else ''} would keep "

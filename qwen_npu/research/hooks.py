@@ -37,6 +37,7 @@ import fnmatch
 import torch
 
 from ..engine import hooks as engine_hooks
+from ..engine.transaction import hold_interrupts, release_interrupts
 from ..errors import CaptureCallbackError, InvalidRequestError
 from ..model.hooks import capture_names
 
@@ -87,6 +88,17 @@ def attach(engine, entry) -> None:
     elif not isinstance(hooks, HookSet):
         raise InvalidRequestError(f"the engine already runs another hook ({hooks!r}); remove it first")
     hooks.entries.append(entry)
+
+
+def leave(engine, entry) -> None:
+    """The end of ``entry``'s ``with`` block: detach it and mark it inactive, with Ctrl-C held
+    back, so an interrupt as the block ends never leaves it running in later steps."""
+    held = hold_interrupts()
+    try:
+        detach(engine, entry)
+        entry.active = False
+    finally:
+        release_interrupts(held)
 
 
 def detach(engine, entry) -> None:

@@ -84,8 +84,7 @@ class Intervention(HookEntry):
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks.detach(self._sess.state.engine, self)
-        self.active = False
+        hooks.leave(self._sess.state.engine, self)
 
     def begin_step(self, plan) -> None:
         self._staged_edits, self.staged_private = 0, {}

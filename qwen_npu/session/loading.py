@@ -50,24 +50,36 @@ def load_session(path, options: SessionOptions) -> tuple[Qwen3Model, SessionConf
     # A set that holds the matrices in its own form gets plain tensors, not arena views: each
     # plain matrix is freed once its prepared form exists (an arena would keep its pages).
     prepares = getattr(kernels, "prepares_weights", lambda dtype: False)(dtype)
-    size, parallel = o.tensor_parallel_size, None
-    if size > 1:
-        model, num_blocks, parallel = load_parallel(path, o, mc, dev, kernels, kernel_name, dtype, block_size,
-                                                    max_model_len, prepares)
-    else:
+    size = o.tensor_parallel_size
+    if size == 1:
         _, weights = load_checkpoint(path, dtype=load_dtype, device=dev, arena=not prepares)
         model = Qwen3Model(mc, weights, kernels, max_positions=max_model_len, consume=prepares)
         del weights
         num_blocks = kv_blocks(o, mc, model.dtype, dev, max_model_len, block_size)
-    config = SessionConfig(
+        return model, settings(o, model, num_blocks, dev, block_size, max_model_len, kernel_name, device_outputs,
+                               sync_timings), Tokenizer.load(path), None
+    model, num_blocks, parallel = load_parallel(path, o, mc, dev, kernels, kernel_name, dtype, block_size,
+                                                max_model_len, prepares)
+    try:                                 # the other ranks' processes stop with a start that fails
+        config = settings(o, model, num_blocks, dev, block_size, max_model_len, kernel_name, device_outputs,
+                          sync_timings)
+        return model, config, Tokenizer.load(path), parallel
+    except BaseException:
+        parallel.close()
+        raise
+
+
+def settings(o: SessionOptions, model, num_blocks: int, dev, block_size: int, max_model_len: int,
+             kernel_name: str, device_outputs: bool, sync_timings: bool) -> SessionConfig:
+    """The SessionConfig of the options as resolved."""
+    return SessionConfig(
         device=str(dev), dtype=str(model.dtype).removeprefix("torch."), max_batch=o.max_batch,
         block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len, chunk_size=o.chunk_size,
         prefix_cache=o.prefix_cache, device_outputs=device_outputs, slot_check=o.slot_check,
         decode_padding=o.decode_padding, kernels=kernel_name, deterministic=o.deterministic,
         sync_timings=sync_timings, mixed_steps=o.mixed_steps, speculative=o.speculative,
         num_speculative_tokens=0 if o.speculative is None else o.num_speculative_tokens or 3,
-        tensor_parallel_size=size)
-    return model, config, Tokenizer.load(path), parallel
+        tensor_parallel_size=o.tensor_parallel_size)
 
 
 def kv_blocks(o: SessionOptions, mc: ModelConfig, dtype, dev, max_model_len: int, block_size: int) -> int:

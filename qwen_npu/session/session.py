@@ -73,7 +73,12 @@ class Session(SessionSteps, SessionGenerate):
         opts = SessionOptions.from_kwargs(options)
         path = checkpoint_folder(path, opts.revision)
         model, config, tokenizer, parallel = load_session(path, opts)
-        return cls(model, config, path=path, tokenizer=tokenizer, parallel=parallel)
+        try:
+            return cls(model, config, path=path, tokenizer=tokenizer, parallel=parallel)
+        except BaseException:
+            if parallel is not None:       # the other ranks' processes go with the Session that failed
+                parallel.close()
+            raise
 
     # ---- requests -----------------------------------------------------------------------------------
     @exclusive

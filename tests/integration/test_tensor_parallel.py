@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import qwen_npu
+import qwen_npu.parallel
 from qwen_npu import InvalidRequestError, SamplingParams
 from qwen_npu.engine.transaction import inject_faults
 from qwen_npu.inspect.digest import state_digest
@@ -239,6 +240,73 @@ def test_what_needs_one_rank_is_refused_with_the_remedy(pair, tmp_path):
         qwen_npu.Session.from_pretrained(tiny_trained_qwen3(), tensor_parallel_size=0)
 
 
+def test_a_hook_that_fails_or_edits_wrongly_at_rank_0_points_fails_the_step_only(pair):
+    """At logits and final_norm (rank 0's points) as at sharded points: the hook's error is raised
+    once every rank has finished the forward, the step rolls back, the group stays."""
+    one, two = pair
+    prefill_both(one, two, PROMPTS[3])
+
+    def boom(x):
+        raise ValueError("boom in hook")
+
+    for name, fn, error, match in (("logits", boom, ValueError, "boom in hook"),
+                                   ("final_norm", boom, ValueError, "boom in hook"),
+                                   ("layers.1.attn.q", boom, ValueError, "boom in hook"),
+                                   ("logits", lambda x: x[:, :7], InvalidRequestError, "expected a tensor of shape")):
+        before = state_digest(two, kv=True)
+        with two.intervene(name, fn), pytest.raises(error, match=match):
+            two.step()
+        assert state_digest(two, kv=True) == before, name
+    assert two.step().kind == "decode" and two.check().ok
+
+
+def test_reading_other_ranks_from_inside_a_step_is_refused_at_once(pair):
+    """A hook runs while the workers wait in the step's collectives: a read from it would wait for
+    them, so it is refused, the step rolls back, and the next step runs."""
+    one, two = pair
+    prefill_both(one, two, PROMPTS[3])
+    before = state_digest(two, kv=True)
+    started = time.monotonic()
+    with two.intervene("layers.2.mlp.out", lambda x: two.kv.key(0) and None):
+        with pytest.raises(TensorParallelError, match="inside a step's forward, which this call was made from"):
+            two.step()
+    assert time.monotonic() - started < 10
+    assert state_digest(two, kv=True) == before and two.step().kind == "decode"
+
+
+def test_a_read_from_another_thread_cannot_cancel_a_failed_steps_rollback(pair):
+    """A step fails on rank 0 after every rank's forward; another thread reads the cache before the
+    rollback reaches the workers: rank 1 still puts back the blocks the step took from the cache."""
+    import threading
+    one, two = pair
+    two.reset()
+    a = [3, 14, 15, 92, 65, 35, 89, 79, 32]                  # two full blocks, cached when it ends
+    two.generate([a], SamplingParams(max_new_tokens=2, ignore_eos=True), progress=False)
+    manager = two._engine.manager
+    while manager.num_free_blocks > manager.num_cached_blocks:   # the next blocks come from the cache
+        r = two.add_request([7] * 4 * (manager.num_free_blocks - manager.num_cached_blocks),
+                            SamplingParams(max_new_tokens=1, ignore_eos=True))
+        while r.status == "waiting" or r.num_computed_tokens < len(r.prompt_token_ids):
+            two.step()
+    two.add_request([27, 18, 28, 18, 28, 44, 61, 7, 9], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    before = state_digest(two, kv=True)
+    read = threading.Event()
+
+    def reader():
+        two.kv.key(0)
+        read.set()
+
+    def fault(name):
+        if name == "commit":
+            threading.Thread(target=reader).start()
+            assert read.wait(20)                          # the read ran inside the window
+            raise RuntimeError("rank 0 fails after the forward")
+
+    with inject_faults(fault), pytest.raises(RuntimeError, match="rank 0 fails"):
+        two.step()
+    assert state_digest(two, kv=True) == before
+
+
 def test_a_killed_worker_is_named_and_close_leaves_no_process(pair):
     """Last in the file: it breaks the module's pair (closed again, idempotently, at teardown)."""
     _, sess = pair
@@ -317,3 +385,85 @@ def test_a_script_without_the_main_guard_is_told_why_at_once(tmp_path):
                          env={**os.environ, "QWEN_NPU_TP_TIMEOUT_S": "60"})
     assert run.returncode != 0 and time.monotonic() - started < 50
     assert "rank 1 (pid" in run.stderr and 'if __name__ == "__main__":' in run.stderr
+
+
+def test_a_ctrl_c_as_an_exchange_begins_leaves_no_lock_behind():
+    """SIGINT arriving as ``exchange`` starts (before Ctrl-C is held back): the read is interrupted,
+    and another thread's read still goes through at once."""
+    import sys
+    import threading
+    sess = qwen_npu.Session.from_pretrained(tiny_trained_qwen3(), tensor_parallel_size=2, **SETTINGS)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        sess.add_request(PROMPTS[0], GREEDY)
+        sess.step()
+        fired = []
+
+        def tracer(frame, event, arg):
+            if event == "call" and frame.f_code.co_name == "hold_interrupts" and not fired \
+                    and frame.f_back is not None and frame.f_back.f_code.co_name == "exchange":
+                fired.append(1)
+                sys.settrace(None)
+                os.kill(os.getpid(), signal.SIGINT)
+            return None
+
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                sess.kv.key(0)
+        finally:
+            sys.settrace(None)
+        assert fired
+        done = []
+        t = threading.Thread(target=lambda: done.append(sess.kv.key(0).shape))
+        t.start()
+        t.join(20)
+        assert done and done[0] == sess.kv.key(0).shape
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sess.close()
+
+
+def test_a_session_dropped_without_close_or_interrupted_while_built_leaves_nothing(monkeypatch):
+    import gc
+
+    import torch.distributed as dist
+
+    import qwen_npu.engine.engine as engine_module
+    sess = qwen_npu.Session.from_pretrained(tiny_trained_qwen3(), tensor_parallel_size=2, **SETTINGS)
+    pids = qwen_npu.parallel.worker_pids(sess)
+    del sess
+    gc.collect()
+    assert not any(alive(p) for p in pids) and not dist.is_initialized()
+    real = engine_module.Engine.__init__
+
+    def interrupted(self, *a, **k):
+        real(self, *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        qwen_npu.Session.from_pretrained(tiny_trained_qwen3(), tensor_parallel_size=2, **SETTINGS)
+    assert not dist.is_initialized()
+    monkeypatch.undo()
+    again = qwen_npu.Session.from_pretrained(tiny_trained_qwen3(), tensor_parallel_size=2, **SETTINGS)
+    again.close()
+
+
+def test_a_stopped_worker_is_named_within_the_timeout(monkeypatch):
+    monkeypatch.setenv("QWEN_NPU_TP_TIMEOUT_S", "4")
+    sess = qwen_npu.Session.from_pretrained(tiny_trained_qwen3(), tensor_parallel_size=2, **SETTINGS)
+    (pid,) = qwen_npu.parallel.worker_pids(sess)
+    try:
+        sess.add_request(PROMPTS[0], GREEDY)
+        sess.step()
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) is stopped"):
+            sess.step()
+        assert time.monotonic() - started < 30
+    finally:
+        if alive(pid):                  # the group's loss already stopped it, or close() will
+            os.kill(pid, signal.SIGCONT)
+        sess.close()
+    assert not alive(pid)
