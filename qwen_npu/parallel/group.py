@@ -28,6 +28,7 @@ import torch
 
 from ..engine.transaction import hold_interrupts, release_interrupts
 from .collectives import TensorParallelError
+from .processes import Rank, abandon, rank_state, stop
 from .worker import RankSpec, confirm_plan, init_group, main, open_store, select_device
 
 
@@ -35,13 +36,6 @@ STATE_TAIL = "; the Session's state is as before the call that found it; close()
 START_HINT = ("; the tensor-parallel Session did not start. The workers are spawned: they import the program's "
               "main module, so a script must open the Session under `if __name__ == \"__main__\":` (a "
               "notebook need not)")
-
-
-@dataclasses.dataclass
-class Rank:
-    index: int
-    process: object
-    conn: object
 
 
 class TensorParallelGroup:
@@ -52,7 +46,7 @@ class TensorParallelGroup:
         self.closed = False
         self._lock = threading.Lock()
         self._owner: int | None = None      # the thread inside an exchange
-        self._finalizer = weakref.finalize(self, _abandon, list(ranks))
+        self._finalizer = weakref.finalize(self, abandon, list(ranks))
         atexit.register(self._finalizer)
 
     @classmethod
@@ -76,7 +70,7 @@ class TensorParallelGroup:
                 theirs.close()
                 ranks.append(Rank(r, p, ours))
         except BaseException:
-            _stop(ranks)
+            stop(ranks)
             raise
         group = cls(spec, ranks, store, None)
         try:
@@ -208,7 +202,7 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
-        _stop(self.ranks)
+        stop(self.ranks)
         import torch.distributed as dist
         if dist.is_initialized():
             try:
@@ -270,58 +264,8 @@ class TensorParallelGroup:
                      for r in self.ranks]
         self.broken = ("the tensor-parallel group is lost: " + (", ".join(named) + "; found while " if named else "")
                        + why[:300] + STATE_TAIL)
-        _stop(self.ranks, grace_s=1.0)
+        stop(self.ranks, grace_s=1.0)
         return TensorParallelError(self.broken)
-
-
-def rank_state(rank: Rank) -> str | None:
-    """What is wrong with a worker's process, or None when it runs."""
-    if not rank.process.is_alive():
-        return f"rank {rank.index} (pid {rank.process.pid}) exited with code {rank.process.exitcode}"
-    try:
-        with open(f"/proc/{rank.process.pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-    if state in ("T", "t"):
-        return f"rank {rank.index} (pid {rank.process.pid}) is stopped (a signal or a debugger)"
-    return None
-
-
-def _abandon(ranks: list[Rank]) -> None:
-    """A group dropped without ``close`` (its Session garbage collected, or lost half way through
-    its start): stop its workers and leave the process group, so a new Session can form one."""
-    _stop(ranks)
-    import torch.distributed as dist
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-
-
-def _stop(ranks: list[Rank], grace_s: float = 5.0) -> None:
-    """Ask every worker to leave, then join, terminate and kill: none outlives this call."""
-    for r in ranks:
-        try:
-            r.conn.send(("close", None))
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + grace_s
-    for r in ranks:
-        r.process.join(max(0.0, deadline - time.monotonic()))
-    for r in ranks:
-        if r.process.is_alive():
-            r.process.terminate()
-            r.process.join(2.0)
-        if r.process.is_alive():
-            r.process.kill()
-            r.process.join(2.0)
-    for r in ranks:
-        try:
-            r.conn.close()
-        except OSError:
-            pass
 
 
 def worker_pids(sess) -> list[int]:
