@@ -134,13 +134,7 @@ class TensorParallelGroup:
 
     def finish_step(self, index: int) -> list[tuple[int, str, object]]:
         """Every worker's answer to step ``index``: (rank, kind, detail), kind done/mismatch/error."""
-        out = []
-        for rank in self.ranks:
-            kind, arg = self._answer(rank, self.spec.timeout_s, f"finish step {index}")
-            if kind == "fatal":
-                raise self._lost(arg)
-            out.append((rank.index, kind, arg))
-        return out
+        return self._answers(f"finish step {index}")
 
     def rollback(self, index: int) -> None:
         """Every worker puts back the K/V it copied before step ``index`` (no-op where none)."""
@@ -165,14 +159,21 @@ class TensorParallelGroup:
             self._send(rank, (kind, arg))
 
     def collect(self, what: str) -> list:
+        """Every worker's answer to a command, in rank order; an answer other than ok raises."""
+        answers = self._answers(what)
+        bad = [(r, arg) for r, kind, arg in answers if kind != "ok"]
+        if bad:
+            raise TensorParallelError("; ".join(f"rank {r}: {arg}" for r, arg in bad))
+        return [arg for _, _, arg in answers]
+
+    def _answers(self, what: str) -> list[tuple[int, str, object]]:
+        """(rank, kind, detail) of every worker's next answer; a fatal one loses the group."""
         out = []
         for rank in self.ranks:
             kind, arg = self._answer(rank, self.spec.timeout_s, what)
             if kind == "fatal":
                 raise self._lost(arg)
-            if kind != "ok":
-                raise TensorParallelError(f"rank {rank.index}: {arg}")
-            out.append(arg)
+            out.append((rank.index, kind, arg))
         return out
 
     # ---- inspection ---------------------------------------------------------------------------------
@@ -202,14 +203,8 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
-        stop(self.ranks)
-        import torch.distributed as dist
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
         self._finalizer.detach()
+        abandon(self.ranks)
 
     def runner(self, model, kv_cache, buffers, *, sync_timings: bool = False):
         """The engine's model runner on rank 0: it runs every step on every rank."""
@@ -259,7 +254,7 @@ class TensorParallelGroup:
         time.sleep(0.05)                     # a peer's broken connection can arrive before its exit code
         seen = [rank_state(r) for r in self.ranks]
         named = [s for s in seen if s is not None]
-        if not named and "time" in why.lower():
+        if not named and "timed out" in why.lower():            # a collective's own timeout (gloo, nccl)
             named = [f"rank {r.index} (pid {r.process.pid}) is running but did not take part in time (busy or stuck)"
                      for r in self.ranks]
         self.broken = ("the tensor-parallel group is lost: " + (", ".join(named) + "; found while " if named else "")
@@ -270,7 +265,7 @@ class TensorParallelGroup:
 
 def worker_pids(sess) -> list[int]:
     """The process ids of ranks 1..N-1 of a tensor-parallel Session, in rank order ([] for one rank)."""
-    group = getattr(sess._engine, "parallel", None)
+    group = sess._engine.parallel
     return [] if group is None else group.pids()
 
 
@@ -279,7 +274,7 @@ def inject_rank_fault(sess, fault: str, rank: int = 1) -> None:
     "corrupt_plan" (its slot mapping's first entry shifted by one: the digests catch it),
     "fail_after_forward" (an error after its forward: the step rolls back on every rank), or
     "exit_in_forward" (a failure inside the forward: the group is lost)."""
-    group = getattr(sess._engine, "parallel", None)
+    group = sess._engine.parallel
     if group is None:
         raise TensorParallelError("inject_rank_fault needs a Session with tensor_parallel_size > 1")
     if not 0 < rank < group.size:
@@ -295,7 +290,7 @@ def inject_rank_fault(sess, fault: str, rank: int = 1) -> None:
 
 def refuse_with_ranks(engine, what: str, instead: str = "") -> None:
     """Refuse ``what`` on a tensor-parallel engine, before anything runs (it needs one rank)."""
-    if getattr(engine, "parallel", None) is not None:
+    if engine.parallel is not None:
         raise TensorParallelError(f"{what} is not available with tensor_parallel_size="
                                   f"{engine.config.tensor_parallel_size} yet: it needs the whole model on one rank"
                                   + (f"; {instead}" if instead else ""))

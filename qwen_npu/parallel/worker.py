@@ -30,6 +30,19 @@ import signal
 import traceback
 
 import torch
+import torch.distributed as dist
+
+from ..cache.block_table import pad_block_tables
+from ..cache.kv_cache import KVCache
+from ..device import load_torch_npu
+from ..engine.recompute import recompute_kv
+from ..engine.transaction import KVGuard
+from ..kernels import get_kernels
+from ..kernels.metadata import AttentionMetadata
+from ..model.loader import load_checkpoint
+from ..model.qwen3 import Qwen3Model
+from .collectives import Collectives, GatheringHook
+from .sharding import shard_config, shard_weights
 
 FAULTS = ("corrupt_plan", "fail_after_forward", "exit_in_forward")
 
@@ -50,13 +63,12 @@ class RankSpec:
     store_port: int
     timeout_s: float
     threads: int
-    deterministic: bool = False
+    prepares: bool              # the kernel set holds the matrices in its own form (rank 0 decided)
 
 
 def select_device(device_type: str, rank: int) -> torch.device:
     """Rank ``rank``'s device, made the process's current one (torch_npu loaded first on an NPU)."""
     if device_type == "npu":
-        from ..device import load_torch_npu
         load_torch_npu().npu.set_device(rank)
     elif device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -72,7 +84,6 @@ def plan_hash(plan: dict) -> int:
 def open_store(spec: RankSpec, rank: int):
     """The group's rendezvous: rank 0 serves it (on a free port when ``store_port`` is 0), the
     others connect to it."""
-    import torch.distributed as dist
     return dist.TCPStore(spec.store_host, spec.store_port, spec.size, is_master=rank == 0,
                          timeout=datetime.timedelta(seconds=spec.timeout_s), wait_for_workers=False)
 
@@ -80,7 +91,6 @@ def open_store(spec: RankSpec, rank: int):
 def init_group(spec: RankSpec, rank: int, store=None):
     """Join the device group (the default process group) and the CPU group through ``store``;
     returns (store, the CPU group)."""
-    import torch.distributed as dist
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     store = open_store(spec, rank) if store is None else store
     dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.size, timeout=timeout)
@@ -90,7 +100,6 @@ def init_group(spec: RankSpec, rank: int, store=None):
 
 def confirm_plan(plan: dict, cpu_group, size: int) -> list[int]:
     """Every rank's digest of its plan, in rank order (one all-gather on the CPU group)."""
-    import torch.distributed as dist
     mine = torch.tensor([plan_hash(plan)], dtype=torch.int64)
     parts = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(parts, mine, group=cpu_group)
@@ -116,28 +125,17 @@ def main(rank: int, spec: RankSpec, conn) -> None:
 
 class Worker:
     def __init__(self, rank: int, spec: RankSpec):
-        from ..kernels import get_kernels
-        from ..kernels.invariant import BatchInvariant
-        from ..model.loader import load_checkpoint
-        from ..model.qwen3 import Qwen3Model
-        from ..cache.kv_cache import KVCache
-        from .collectives import Collectives
-        from .sharding import shard_config, shard_weights
         torch.set_num_threads(spec.threads)
         self.rank, self.spec = rank, spec
         self.device = select_device(spec.device_type, rank)
-        self.store, self.cpu_group = init_group(spec, rank)
+        self.store, self.cpu_group = init_group(spec, rank)     # the store lives as long as the group
         self.comms = Collectives(rank, spec.size)
         mc, weights = load_checkpoint(spec.path, dtype=spec.dtype, device=self.device, arena=False)
-        kernels = get_kernels(spec.kernels)
-        if spec.deterministic:
-            kernels = BatchInvariant(kernels)
-        prepares = getattr(kernels, "prepares_weights", lambda dtype: False)(weights["model.norm.weight"].dtype)
-        self.config = shard_config(mc, spec.size)
-        self.model = Qwen3Model(self.config, shard_weights(weights, rank, spec.size), kernels,
-                                max_positions=spec.max_model_len, consume=prepares, all_reduce=self.comms.all_reduce)
+        c = shard_config(mc, spec.size)
+        self.model = Qwen3Model(c, shard_weights(weights, rank, spec.size), get_kernels(spec.kernels),
+                                max_positions=spec.max_model_len, consume=spec.prepares,
+                                all_reduce=self.comms.all_reduce)
         del weights
-        c = self.config
         self.kv = KVCache(c.num_hidden_layers, spec.num_blocks, spec.block_size, c.num_key_value_heads, c.head_dim,
                           self.model.dtype, self.device)
         self.pending = None             # (step index, KVGuard) of the last step, until the next command
@@ -176,9 +174,6 @@ class Worker:
             return ("ok", (self.kv.keys[arg].cpu().clone(), self.kv.values[arg].cpu().clone()))
         if kind == "audit":
             return ("ok", self.audit(*arg))
-        if kind == "zero":
-            self.kv.zero_()
-            return ("ok", None)
         if kind == "fault":
             unknown = set(arg) - set(FAULTS)
             if unknown:
@@ -188,7 +183,6 @@ class Worker:
         return ("error", f"unknown command {kind!r}")
 
     def step(self, m: dict):
-        from ..engine.transaction import KVGuard
         self.pending = None                  # the last step committed: rank 0 would have rolled it back
         plan = m["plan"]
         if "corrupt_plan" in self.faults:
@@ -212,7 +206,6 @@ class Worker:
         return ("done", None)
 
     def forward(self, plan: dict, wanted: frozenset[str]) -> None:
-        from .collectives import GatheringHook
         d = self.device
         meta = plan_metadata(plan, d)
         hook = GatheringHook(None, wanted, self.comms) if wanted else None
@@ -235,14 +228,11 @@ class Worker:
 
     def audit(self, token_ids: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's recomputed (k, v) [layers, n, kv_heads of this rank, head_dim] of ``token_ids``."""
-        from ..engine.recompute import recompute_kv
         scratch = recompute_kv(self.model, token_ids, block_size)
-        n = len(token_ids)
-        return (torch.stack([t.flatten(0, 1)[:n] for t in scratch.keys]).cpu(),
-                torch.stack([t.flatten(0, 1)[:n] for t in scratch.values]).cpu())
+        k, v = scratch.rows(range(scratch.num_layers), range(len(token_ids)))
+        return k.cpu(), v.cpu()
 
     def leave(self) -> None:
-        import torch.distributed as dist
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -256,8 +246,6 @@ class _Fatal(Exception):
 
 def plan_metadata(plan: dict, device: torch.device):
     """The AttentionMetadata of a plan message, on ``device``."""
-    from ..cache.block_table import pad_block_tables
-    from ..kernels.metadata import AttentionMetadata
     width = max((len(t) for t in plan["block_tables"]), default=1) or 1
     qsl = [0]
     for n in plan["query_lens"]:

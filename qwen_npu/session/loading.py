@@ -120,7 +120,7 @@ def load_parallel(path: Path, o: SessionOptions, mc: ModelConfig, dev, kernels, 
                     size=size, backend={"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[dev.type],
                     store_host="127.0.0.1", store_port=0,
                     timeout_s=float(os.environ.get("QWEN_NPU_TP_TIMEOUT_S", "120")),
-                    threads=max(1, torch.get_num_threads() // size))
+                    threads=max(1, torch.get_num_threads() // size), prepares=prepares)
     group = TensorParallelGroup.start(spec)
     try:
         _, weights = load_checkpoint(path, dtype=spec.dtype, device=dev, arena=False)
