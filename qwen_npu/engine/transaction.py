@@ -118,11 +118,17 @@ def release_interrupts(held, keeps: str | None = None) -> None:
     warning for a call that ``keeps`` what it made)."""
     if held is None:
         return
-    signal.signal(signal.SIGINT, held.previous)
-    if held.pending and keeps is not None:
+    if keeps is None:
+        signal.signal(signal.SIGINT, held.previous)
+        if held.pending:
+            held.deliver()
+        return
+    if held.pending:
         warn(f"Ctrl-C arrived as {keeps}() finished; what it made is kept and returned", RuntimeWarning)
-    elif held.pending:
-        held.deliver()
+    # A call that hands back a new object never raises from here: the previous handler goes back
+    # on the last line that runs, so a Ctrl-C after it lands in the caller's code, with the object
+    # in hand (one on this very line is held back and not raised).
+    signal.signal(signal.SIGINT, held.previous)
 
 
 class _NoSignals:
