@@ -131,7 +131,7 @@ class FaultSetting:
 
 def set_fault_model(owner, model: str | None) -> FaultSetting:
     """Set ``owner.faults`` (an Engine) to ``model`` (None = off); validated before anything changes."""
-    if model is not None and owner.parallel is not None:
+    if model is not None and getattr(owner, "parallel", None) is not None:   # an Engine, or a stand-in
         from ..errors import InvalidRequestError
         raise InvalidRequestError(f"emulate_faults is not available with tensor_parallel_size="
                                   f"{owner.config.tensor_parallel_size}: the emulation writes one rank's cache")
