@@ -24,9 +24,10 @@ but does all arithmetic in fp32:
                        table (no gather, no padding to the longest
                        row); a decode token takes all its KV heads
                        at once, so its K/V stream in memory order;
-                       prefill tiles use a flash-style loop, on a CPU
-                       with AVX512-BF16 over bf16 pairs (csrc/
-                       attention_bf16.cpp: P rounded to bf16 for P V)
+                       prefill tiles use a flash-style loop; on a CPU
+                       with AVX512-BF16 both run on bf16 pairs (csrc/
+                       attention_bf16.cpp, attention_decode_bf16.cpp:
+                       P rounded to bf16 for P V)
     write_kv         C++: one copy per token, negative slots skipped  identical
     rms_norm,        C++ (csrc/norm.cpp): one pass each instead of a   same roundings; the mean
       add_rms_norm,    dozen small torch ops per call                   square's summation order
@@ -70,6 +71,7 @@ from .onednn import prepares as prepares_weights  # noqa: F401
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("module.cpp", "linear.cpp", "linear_bf16.cpp", "attention.cpp", "attention_bf16.cpp", "attention_decode.cpp",
+           "attention_decode_bf16.cpp",
            "norm.cpp",
            "activation.cpp", "greedy.cpp", "peak.cpp")
 HEADERS = ("vec.h", "elementwise.h", "attention.h")

@@ -7,7 +7,8 @@
 //   one token (decode)    scores q . k for 4-8 positions at a time, softmax, weighted sum of v
 //                         with the accumulators in registers; one item takes all the token's
 //                         KV heads (or a share of them when rows are few), so the context
-//                         streams through memory once, in order (attention_decode.cpp).
+//                         streams through memory once, in order (attention_decode.cpp; with
+//                         bf16_dot, on bf16 pairs: attention_decode_bf16.cpp).
 //   several tokens        flash-style: the G heads of the KV head times up to TILE_TOKENS tokens
 //   (prefill chunks)      form MQ <= 16 query rows; per chunk of CHUNK positions, K is
 //                         transposed into [D][16] blocks and S = Q K^T, online softmax, and
@@ -107,6 +108,15 @@ bool bf16_tile(bool wanted, const S* q, const S* kc, const S* vc, const int64_t*
   return false;
 }
 
+// The bf16 dot-product decode token where asked for and the cache is bf16; false for the fp32 one.
+template <typename S>
+bool bf16_token(bool wanted, const S* q, const S* kc, const S* vc, const int64_t* pos, int64_t n, int64_t kvh0,
+                int64_t kvh1, float scale, const Geometry& g, S* out) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>)
+    return wanted && attend_token_bf16(q, kc, vc, pos, n, kvh0, kvh1, scale, g, out);
+  return false;
+}
+
 // A work item: tokens [t0, t1) of a row, KV heads [kvh0, kvh1).
 struct Item { int64_t row, t0, t1, kvh0, kvh1; };
 
@@ -153,8 +163,11 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
         for (int64_t j = 0, p0 = b * g.BS; j < g.BS && p0 + j < n; ++j) pos[p0 + j] = base + j * g.pos_stride();
       }
       const int64_t off = it.t0 * g.H * g.D + it.kvh0 * g.G * g.D;
-      if (it.t1 - it.t0 == 1 && !(shape.invariant && blocked))
-        attend_token(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1, scale, g, o + off, work);
+      if (it.t1 - it.t0 == 1 && !(shape.invariant && blocked)) {
+        if (!bf16_token(shape.bf16_dot, q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1, scale, g,
+                        o + off))
+          attend_token(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1, scale, g, o + off, work);
+      }
       else if (!bf16_tile(shape.bf16_dot, q + off, kc, vc, pos.data(), it.t1 - it.t0, first_visible, it.kvh0,
                           scale, g, o + off))
         attend_tile(q + off, kc, vc, pos.data(), it.t1 - it.t0, first_visible, it.kvh0, scale, g, o + off, work);

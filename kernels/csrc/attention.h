@@ -25,6 +25,11 @@ template <typename S>
 void attend_token(const S* q, const S* kc, const S* vc, const int64_t* pos, int64_t n, int64_t kvh0, int64_t kvh1,
                   float scale, const Geometry& g, S* out, std::vector<float>& work);
 
+// One decode token with native bf16 dot products (attention_decode_bf16.cpp); false, and nothing
+// written, where the build or the shape cannot take it (attend_token runs instead).
+bool attend_token_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* pos,
+                       int64_t n, int64_t kvh0, int64_t kvh1, float scale, const Geometry& g, c10::BFloat16* out);
+
 // One prefill tile with native bf16 dot products (attention_bf16.cpp); false, and nothing
 // written, where the build or the shape cannot take it (the fp32 tile runs instead).
 bool attend_tile_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* pos,

@@ -218,7 +218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak_has_avx512", &qwen_npu_cpu::peak_has_avx512, "were the AVX-512 peak loops compiled in?");
   m.def("peak_has_amx", &qwen_npu_cpu::peak_has_amx, "was the AMX peak loop compiled in, and may it use the tiles?");
   m.def("paged_attention", &qwen_npu_cpu::paged_attention,
-        "causal paged attention, fp32 arithmetic (bf16_dot: bf16 prefill tiles with AVX512-BF16 dot products; "
+        "causal paged attention, fp32 arithmetic (bf16_dot: prefill tiles and decode tokens on AVX512-BF16 dot products; "
         "invariant: decode tokens through the tiles too)",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("bf16_dot") = false, py::arg("invariant") = false);

@@ -1,0 +1,68 @@
+"""Decode tokens through the AVX512-BF16 dot products (csrc/attention_decode_bf16.cpp) against
+dense float64 attention and the fp32 decode kernel, on a CPU that has them.
+
+Contexts cover every remainder of the kernel's position blocks (8 positions per head pair, 16 for
+a lone head, 32 per weighted-sum pass), GQA ratios 1 to 5 (a lone head where the ratio is odd),
+head_dim from 32 to 256 and one it cannot take (the fp32 kernel then runs, bit for bit)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from qwen_npu.kernels import cpu
+from test_reference import TOL, build_case, naive_attention
+
+pytestmark = pytest.mark.skipif(not (cpu.available() and cpu.bf16_dot()),
+                                reason="the CPU has no AVX512-BF16 dot products")
+
+CONTEXTS = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 64, 100, 257]
+ROWS = [(n - 1, 1) for n in CONTEXTS]
+
+
+def attend(meta, query, kc, vc, scale, bf16_dot):
+    return cpu.ops().paged_attention(query, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                     scale, bf16_dot)
+
+
+@pytest.mark.parametrize("kv_heads, gqa, head_dim", [(2, 2, 128), (1, 1, 32), (2, 5, 64), (1, 3, 256),
+                                                     (3, 4, 96), (2, 2, 48)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_decode_tokens_match_dense_and_the_fp32_kernel(kv_heads, gqa, head_dim, block_size):
+    meta, query, kc, vc, dense, _ = build_case(ROWS, block_size, kv_heads, gqa, head_dim, torch.bfloat16, seed=9)
+    meta = dataclasses.replace(meta, is_decode=True)
+    scale = head_dim ** -0.5
+    fast, slow = attend(meta, query, kc, vc, scale, True), attend(meta, query, kc, vc, scale, False)
+    want = naive_attention(query, ROWS, dense, gqa, scale)
+    torch.testing.assert_close(fast.double(), want, **TOL[torch.bfloat16])
+    torch.testing.assert_close(slow.double(), want, **TOL[torch.bfloat16])
+    assert torch.equal(fast, slow) == (head_dim % 32 != 0)      # the bf16 kernel ran exactly where it can
+    # the session's entry point takes the same path on this CPU
+    assert torch.equal(cpu.paged_attention(query, kc, vc, meta, scale), fast)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), 1e30])
+def test_a_decode_token_reads_only_its_own_context(poison):
+    """Every slot outside a row's context (other rows' blocks, the tail of its last block) holds
+    ``poison`` already (build_case); changing what other rows' blocks hold changes nothing either."""
+    meta, query, kc, vc, _, tables = build_case(ROWS, 16, 2, 2, 128, torch.bfloat16, seed=3, poison=poison)
+    base = attend(meta, query, kc, vc, 0.1, True)
+    assert torch.isfinite(base).all()
+    for row, table in enumerate(tables):
+        kp, vp = kc.clone(), vc.clone()
+        others = [b for b in range(kc.shape[0]) if b not in table]
+        kp[others], vp[others] = -poison, 0.5
+        assert torch.equal(attend(meta, query, kp, vp, 0.1, True)[row], base[row])
+
+
+@pytest.mark.parametrize("target", ["key", "value"])
+def test_a_nan_in_the_context_reaches_exactly_the_heads_that_read_it(target):
+    rows = [(99, 1), (40, 1)]
+    meta, query, kc, vc, _, tables = build_case(rows, 16, 4, 2, 128, torch.bfloat16, seed=5)
+    block, offset = divmod(57, 16)                     # position 57 of row 0, KV head 2
+    cache = kc if target == "key" else vc
+    cache[int(tables[0][block]), offset, 2] = float("nan")
+    out = attend(meta, query, kc, vc, 0.1, True).float()
+    assert out[0, 4:6].isnan().all()                   # the query heads of KV head 2
+    assert not out[0, :4].isnan().any() and not out[0, 6:].isnan().any()
+    assert not out[1].isnan().any()
