@@ -30,8 +30,10 @@ but does all arithmetic in fp32:
                        P rounded to bf16 for P V)
     write_kv         C++: one copy per token, negative slots skipped  identical
     rms_norm,        C++ (csrc/norm.cpp): one pass each instead of a   same roundings; the mean
-      add_rms_norm,    dozen small torch ops per call                   square's summation order
-      rope                                                              (norms only) differs
+      add_rms_norm,    dozen small torch ops per call; bf16 on 16       square's summation order
+      rope             AVX-512 lanes where the CPU has them (csrc/      (norms only) differs;
+                       elementwise_avx512.cpp, ``wide()``: the same     AVX-512 and AVX2 agree
+                       bits as the 8-lane kernels)                      bit for bit
     qk_norm_rope     C++ (csrc/norm.cpp): both head norms and RoPE    bit-identical to rms_norm
                        in one pass over the qkv output's views          then rope of this set
     silu_mul         C++ (csrc/activation.cpp): silu(gate) * up       silu's exp: ~1e-7 relative
@@ -71,10 +73,10 @@ from .onednn import prepares as prepares_weights  # noqa: F401
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("module.cpp", "linear.cpp", "linear_bf16.cpp", "attention.cpp", "attention_bf16.cpp", "attention_decode.cpp",
-           "attention_decode_bf16.cpp",
+           "attention_decode_bf16.cpp", "elementwise_avx512.cpp",
            "norm.cpp",
            "activation.cpp", "greedy.cpp", "peak.cpp")
-HEADERS = ("vec.h", "elementwise.h", "attention.h")
+HEADERS = ("vec.h", "vec512.h", "elementwise.h", "attention.h")
 # -fopenmp: at::parallel_for is a header template; without it the kernels would run on one thread
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 # From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).
@@ -151,6 +153,18 @@ def bf16_dot() -> bool:
         return False
     try:
         return bool(ops().has_bf16_dot())
+    except build.KernelBuildError:           # no build here: the set is not used at all
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def wide() -> bool:
+    """Do the bf16 norms and activation run on 16 AVX-512 lanes here (csrc/elementwise_avx512.cpp:
+    a CPU with AVX-512 that no ``QWEN_NPU_CPU_ISA`` cap hides, and a build that has them)?"""
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_features.cpu_flags():
+        return False
+    try:
+        return bool(ops().has_avx512_elementwise())
     except build.KernelBuildError:           # no build here: the set is not used at all
         return False
 
@@ -271,7 +285,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As ``reference.rms_norm``, in one pass (same roundings; the mean's summation order differs)."""
     if not _fused(x, weight) or x.numel() == 0:
         return reference.rms_norm(x, weight, eps)
-    return ops().rms_norm(x, weight, float(eps))
+    return ops().rms_norm(x, weight, float(eps), wide())
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -279,7 +293,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """As ``reference.add_rms_norm``: (rms_norm(x + residual), x + residual) in one pass."""
     if not _fused(x, residual, weight) or x.shape != residual.shape or x.numel() == 0:
         return reference.add_rms_norm(x, residual, weight, eps)
-    return tuple(ops().add_rms_norm(x, residual, weight, float(eps)))
+    return tuple(ops().add_rms_norm(x, residual, weight, float(eps), wide()))
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -300,7 +314,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     if (not _fused(q, k, q_weight, k_weight) or q.dim() != 3 or k.dim() != 3 or q.shape[0] == 0
             or cos.device != q.device):
         return rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin)
-    return tuple(ops().qk_norm_rope(q, k, q_weight, k_weight, float(eps), cos, sin))
+    return tuple(ops().qk_norm_rope(q, k, q_weight, k_weight, float(eps), cos, sin, wide()))
 
 
 def greedy_health(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -318,4 +332,4 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not _fused(gate_up) or gate_up.numel() == 0:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-    return ops().silu_mul(gate_up)
+    return ops().silu_mul(gate_up, wide())

@@ -15,6 +15,7 @@
 // is read are those of the fp32 tile. Compiled for AVX-512 with a function attribute; cpu.py asks
 // for it (``bf16_dot``) only where the CPU reports avx512_bf16 and no ISA cap hides it.
 #include "attention.h"
+#include "vec512.h"
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -25,31 +26,13 @@ namespace qwen_npu_cpu {
 #ifdef QN_BF16_DOT
 namespace {
 
-#define QN_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+using vec512::exp16;
 
 constexpr int64_t CHUNK = 32;          // positions per step of the flash loop
 constexpr int PR = 4;                  // positions per score tile
 
 QN_AVX512_BF16 inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-
-// exp of x <= 0 on 16 lanes: vec.h's exp_neg, step for step on its constants (the same value in every lane);
-// -inf -> 0, NaN -> NaN.
-QN_AVX512_BF16 inline __m512 exp16(__m512 x) {
-  using namespace exp_neg_c;
-  const __m512 lo = _mm512_set1_ps(LO);
-  x = _mm512_max_ps(lo, x);            // operand order: max_ps returns its 2nd operand for a NaN
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-  __m512 p = _mm512_set1_ps(P[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P[i]));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 out = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLE_UQ), out);   // underflow -> 0; NaN kept
 }
 
 // St[p][b] = scale * q_rows(b) . k(c0 + p) for the chunk's positions, MB blocks of 16 query rows.

@@ -17,6 +17,7 @@
 // the fp32 kernel. Compiled for AVX-512 with a function attribute; attention.cpp calls it only
 // where the caller asked for bf16 dot products (``bf16_dot``).
 #include "attention.h"
+#include "vec512.h"
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -26,7 +27,7 @@ namespace qwen_npu_cpu {
 #ifdef QN_BF16_DOT
 namespace {
 
-#define QN_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+using vec512::exp16;
 
 constexpr int64_t MAX_D = 256;        // head_dim this kernel takes (a multiple of 32)
 constexpr int64_t PV_CHUNK = 32;      // positions per pass of the P V accumulators
@@ -47,23 +48,6 @@ inline void prefetch_rows(const c10::BFloat16* cache, const int64_t* pos, int64_
 
 QN_AVX512_BF16 inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-
-// exp of x <= 0 on 16 lanes, as attention_bf16.cpp's (vec.h's steps and constants).
-QN_AVX512_BF16 inline __m512 exp16(__m512 x) {
-  using namespace exp_neg_c;
-  const __m512 lo = _mm512_set1_ps(LO);
-  x = _mm512_max_ps(lo, x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-  __m512 p = _mm512_set1_ps(P[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P[i]));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 out = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLE_UQ), out);
 }
 
 // Lane i of the result = the sum of the 16 lanes of a[i].

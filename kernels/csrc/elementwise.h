@@ -46,4 +46,16 @@ void qk_norm_rope_kernel(const T* q, int64_t q_tok, int64_t q_head, const T* k, 
 template <typename T>
 void silu_mul_kernel(const T* gate_up, int64_t row_stride, int64_t rows, int64_t n, T* act);
 
+// The bf16 kernels above (and rms_norm_kernel) on 16 AVX-512 lanes (elementwise_avx512.cpp): call
+// only where the CPU has AVX-512; false, and nothing written, where the build or the shape cannot
+// take the call (the 8-lane kernel runs instead).
+bool avx512_elementwise_available();
+bool rms_norm_avx512(const c10::BFloat16* x, const c10::BFloat16* residual, const c10::BFloat16* w, int64_t rows,
+                     int64_t n, float eps, c10::BFloat16* out, c10::BFloat16* sum_out);
+bool qk_norm_rope_avx512(const c10::BFloat16* q, int64_t q_tok, int64_t q_head, const c10::BFloat16* k,
+                         int64_t k_tok, int64_t k_head, const c10::BFloat16* q_weight, const c10::BFloat16* k_weight,
+                         const float* cos, const float* sin, int64_t tokens, int64_t heads, int64_t kv_heads,
+                         int64_t d, float eps, c10::BFloat16* qo, c10::BFloat16* ko);
+bool silu_mul_avx512(const c10::BFloat16* gate_up, int64_t row_stride, int64_t rows, int64_t n, c10::BFloat16* act);
+
 }  // namespace qwen_npu_cpu

@@ -84,19 +84,25 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   else { TORCH_CHECK((x).scalar_type() == at::kFloat, "cpu kernels: bfloat16 or float32 only"); \
          using T = float; __VA_ARGS__; }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+// wide: the bf16 kernels on 16 AVX-512 lanes (elementwise_avx512.cpp), where the caller knows the CPU has them.
+#define QN_WIDE(x, call) ((wide) && (x).scalar_type() == at::kBFloat16 && (call))
+#define QN_BF(t) reinterpret_cast<c10::BFloat16*>((t).data_ptr<at::BFloat16>())
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool wide) {
   auto xc = x.contiguous();
   auto wc = w.contiguous();
   TORCH_CHECK(wc.scalar_type() == xc.scalar_type() && wc.numel() == xc.size(-1), "cpu rms_norm: weight [n] of x's dtype");
   auto out = torch::empty_like(xc);
   const int64_t n = xc.size(-1), rows = n ? xc.numel() / n : 0;
-  QN_DISPATCH(xc, T, rms_norm_kernel<T>(xc.data_ptr<T>(), nullptr, wc.data_ptr<T>(), rows, n, static_cast<float>(eps),
-                                        out.data_ptr<T>(), nullptr))
+  if (!QN_WIDE(xc, rms_norm_avx512(QN_BF(xc), nullptr, QN_BF(wc), rows, n, static_cast<float>(eps), QN_BF(out),
+                                    nullptr)))
+    QN_DISPATCH(xc, T, rms_norm_kernel<T>(xc.data_ptr<T>(), nullptr, wc.data_ptr<T>(), rows, n, static_cast<float>(eps),
+                                          out.data_ptr<T>(), nullptr))
   return out;
 }
 
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w,
-                                                      double eps) {
+                                                      double eps, bool wide) {
   auto xc = x.contiguous();
   auto rc = residual.contiguous();
   auto wc = w.contiguous();
@@ -105,8 +111,10 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
   auto out = torch::empty_like(xc);
   auto sum = torch::empty_like(xc);
   const int64_t n = xc.size(-1), rows = n ? xc.numel() / n : 0;
-  QN_DISPATCH(xc, T, rms_norm_kernel<T>(xc.data_ptr<T>(), rc.data_ptr<T>(), wc.data_ptr<T>(), rows, n,
-                                        static_cast<float>(eps), out.data_ptr<T>(), sum.data_ptr<T>()))
+  if (!QN_WIDE(xc, rms_norm_avx512(QN_BF(xc), QN_BF(rc), QN_BF(wc), rows, n, static_cast<float>(eps), QN_BF(out),
+                                    QN_BF(sum))))
+    QN_DISPATCH(xc, T, rms_norm_kernel<T>(xc.data_ptr<T>(), rc.data_ptr<T>(), wc.data_ptr<T>(), rows, n,
+                                          static_cast<float>(eps), out.data_ptr<T>(), sum.data_ptr<T>()))
   return {out, sum};
 }
 
@@ -129,7 +137,7 @@ std::tuple<torch::Tensor, torch::Tensor> rope(torch::Tensor q, torch::Tensor k, 
 // the fused qkv projection (any token and head strides, unit stride within a head).
 std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch::Tensor q_weight,
                                                       torch::Tensor k_weight, double eps, torch::Tensor cos,
-                                                      torch::Tensor sin) {
+                                                      torch::Tensor sin, bool wide) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
               "cpu qk_norm_rope: q [T, H, D] and k [T, KV, D] with an even D expected, got ", q.sizes(), " and ",
               k.sizes());
@@ -147,6 +155,9 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Te
   auto kw = k_weight.contiguous();
   auto qo = torch::empty({T, q.size(1), D}, q.options());
   auto ko = torch::empty({T, k.size(1), D}, k.options());
+  if (!QN_WIDE(qc, qk_norm_rope_avx512(QN_BF(qc), qc.stride(0), qc.stride(1), QN_BF(kc), kc.stride(0), kc.stride(1),
+                                        QN_BF(qw), QN_BF(kw), c.data_ptr<float>(), s.data_ptr<float>(), T,
+                                        qc.size(1), kc.size(1), D, static_cast<float>(eps), QN_BF(qo), QN_BF(ko))))
   QN_DISPATCH(qc, X, qk_norm_rope_kernel<X>(qc.data_ptr<X>(), qc.stride(0), qc.stride(1), kc.data_ptr<X>(),
                                             kc.stride(0), kc.stride(1), qw.data_ptr<X>(), kw.data_ptr<X>(),
                                             c.data_ptr<float>(), s.data_ptr<float>(), T, qc.size(1), kc.size(1), D,
@@ -155,13 +166,13 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Te
 }
 
 // gate_up [..., 2 * I] -> silu(gate) * up [..., I]; rows may be strided (unit stride within one).
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+torch::Tensor silu_mul(torch::Tensor gate_up, bool wide) {
   TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
               "cpu silu_mul: gate_up [..., 2 * I] with an even last dimension expected, got ", gate_up.sizes());
   const int64_t n = gate_up.size(-1) / 2;
   auto x = gate_up.dim() == 2 && gate_up.stride(1) == 1 ? gate_up : gate_up.reshape({-1, 2 * n}).contiguous();
   auto act = torch::empty({x.size(0), n}, x.options());
-  if (x.size(0) > 0 && n > 0) {
+  if (x.size(0) > 0 && n > 0 && !QN_WIDE(x, silu_mul_avx512(QN_BF(x), x.stride(0), x.size(0), n, QN_BF(act)))) {
     QN_DISPATCH(x, X, silu_mul_kernel<X>(x.data_ptr<X>(), x.stride(0), x.size(0), n, act.data_ptr<X>()))
   }
   auto sizes = gate_up.sizes().vec();
@@ -223,9 +234,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("bf16_dot") = false, py::arg("invariant") = false);
   m.def("write_kv", &qwen_npu_cpu::write_kv, "scatter K/V into the caches by slot, skipping negative slots");
-  m.def("rms_norm", &qwen_npu_cpu::rms_norm, "RMSNorm over the last dimension");
-  m.def("add_rms_norm", &qwen_npu_cpu::add_rms_norm, "(rms_norm(x + residual), x + residual)");
+  m.def("has_avx512_elementwise", &qwen_npu_cpu::avx512_elementwise_available,
+        "were the 16-lane bf16 norms and activation compiled in?");
+  m.def("rms_norm", &qwen_npu_cpu::rms_norm, "RMSNorm over the last dimension (wide: 16 AVX-512 lanes, bf16)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("wide") = false);
+  m.def("add_rms_norm", &qwen_npu_cpu::add_rms_norm, "(rms_norm(x + residual), x + residual)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("wide") = false);
   m.def("rope", &qwen_npu_cpu::rope, "rotary embedding, rotate-halves style");
-  m.def("qk_norm_rope", &qwen_npu_cpu::qk_norm_rope, "rope(rms_norm(q), rms_norm(k)) in one pass");
-  m.def("silu_mul", &qwen_npu_cpu::silu_mul, "silu(gate) * up from the fused gate/up output");
+  m.def("qk_norm_rope", &qwen_npu_cpu::qk_norm_rope, "rope(rms_norm(q), rms_norm(k)) in one pass",
+        py::arg("q"), py::arg("k"), py::arg("q_weight"), py::arg("k_weight"), py::arg("eps"), py::arg("cos"),
+        py::arg("sin"), py::arg("wide") = false);
+  m.def("silu_mul", &qwen_npu_cpu::silu_mul, "silu(gate) * up from the fused gate/up output",
+        py::arg("gate_up"), py::arg("wide") = false);
 }
