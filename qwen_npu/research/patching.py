@@ -81,17 +81,17 @@ class PatchingResult:
 
     def __repr__(self) -> str:
         runs = self.effects.numel()
-        head = (f"PatchingResult({self.metric}: clean {self.clean_metric:+.4f}, corrupted {self.corrupted_metric:+.4f}; "
+        head = (f"PatchingResult({self.metric}: clean {self.clean_metric:+.3f}, corrupted {self.corrupted_metric:+.3f}; "
                 f"{runs} patched runs over {len(self.names)} names x {len(self.positions)} positions"
                 f"{f' x {len(self.heads)} heads' if self.heads else ''})")
-        rows = [(n, "" if h is None else h, p, f"{m:+.4f}", f"{r:+.3f}") for n, h, p, m, r in self._top()]
+        rows = [(n, "" if h is None else h, p, f"{m:+.3f}", f"{r:+.3f}") for n, h, p, m, r in self._top()]
         return head + "\n" + H.text_table(["name", "head", "position", "metric", "restored"], rows)
 
     def _repr_html_(self) -> str:
-        rows = [(H.esc(n), H.esc("" if h is None else h), H.esc(p), H.esc(f"{m:+.4f}"), H.esc(f"{r:+.3f}"))
+        rows = [(H.esc(n), H.esc("" if h is None else h), H.esc(p), H.esc(f"{m:+.3f}"), H.esc(f"{r:+.3f}"))
                 for n, h, p, m, r in self._top()]
         return H.view("Activation patching", H.table(["name", "head", "position", "metric", "restored"], rows),
-                      subtitle=f"{self.metric}: clean {self.clean_metric:+.4f}, corrupted {self.corrupted_metric:+.4f}"
+                      subtitle=f"{self.metric}: clean {self.clean_metric:+.3f}, corrupted {self.corrupted_metric:+.3f}"
                                f"; largest {len(rows)} of {self.effects.numel()} runs")
 
 
