@@ -89,6 +89,10 @@ NATIVE_ROWS = 6
 BF16_DOT_ROWS = 20
 # From this many tokens on, a bf16 prefill row on a CPU with AMX tiles runs torch's SDPA (paged_attention).
 SDPA_ROWS = 16
+# A causal row longer than SDPA_PAD_FROM tokens is zero-padded at its end to a multiple of SDPA_PAD
+# for SDPA, which is up to twice as fast on such lengths (docs/benchmarks.md); the padding is
+# past every real token, so the causal mask keeps it from their outputs.
+SDPA_PAD, SDPA_PAD_FROM = 16, 128
 
 HALF_OR_FLOAT = (torch.bfloat16, torch.float32)
 
@@ -267,11 +271,16 @@ def _sdpa_row(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
     0 .. context-1, gathered from its blocks -> [L, H, D]; causal when ``mask`` is None (L == context)."""
     block_size = key_cache.shape[1]
     blocks = table[:-(-context // block_size)].long()
-    k = key_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)            # [KV, S, D]
-    v = value_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)
-    y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
-                                       is_causal=mask is None, scale=scale, enable_gqa=True)   # 4-D: the
-    return y[0].transpose(0, 1)                                     # flash path (3-D takes the slow one)
+    q = q.transpose(0, 1)[None]                                              # [1, H, L, D]
+    k = key_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)[None]      # [1, KV, S, D]
+    v = value_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)[None]
+    length = q.shape[2]
+    if mask is None and length > SDPA_PAD_FROM and length % SDPA_PAD:        # causal: L == S
+        pad = (0, 0, 0, -length % SDPA_PAD)
+        q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                       enable_gqa=True)              # 4-D: the flash path (3-D takes the slow one)
+    return y[0, :, :length].transpose(0, 1)
 
 
 def _fused(*tensors: torch.Tensor) -> bool:

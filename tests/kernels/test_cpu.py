@@ -139,15 +139,21 @@ def test_a_mixed_step_through_the_prefill_path_matches_dense_and_the_decode_path
     torch.testing.assert_close(out[[starts[r] for r in decode_rows]].double(), by_decode.double(), **TOL[dtype])
 
 
-SDPA_ROWS_CASE = [(0, 40), (20, 1), (33, 17), (5, 3), (0, cpu.SDPA_ROWS), (9, cpu.SDPA_ROWS - 1)]
+SDPA_ROWS_CASE = [(0, 40), (20, 1), (33, 17), (5, 3), (0, cpu.SDPA_ROWS), (9, cpu.SDPA_ROWS - 1), (0, 150), (7, 140)]
+
+
+def sdpa_length(done: int, q: int) -> int:
+    """The query length SDPA is called with: a causal row past SDPA_PAD_FROM padded to SDPA_PAD."""
+    return -(-q // cpu.SDPA_PAD) * cpu.SDPA_PAD if done == 0 and q > cpu.SDPA_PAD_FROM else q
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
 def test_bf16_prefill_rows_through_sdpa_match_dense(monkeypatch, amx, block_size):
     """With AMX tiles (forced here, so every CPU runs the path) bf16 rows of ``SDPA_ROWS`` tokens
-    or more go through torch's SDPA — from position 0 (causal) and past a cached prefix (masked) —
-    and the shorter rows and decode rows through the C++ loop, in one step."""
+    or more go through torch's SDPA — from position 0 (causal; a long one zero-padded at its end,
+    whose poisoned tail slots must not reach it) and past a cached prefix (masked) — and the shorter
+    rows and decode rows through the C++ loop, in one step."""
     monkeypatch.setattr(cpu, "amx", lambda: amx)
     meta, query, kc, vc, dense, tables = build_case(SDPA_ROWS_CASE, block_size, 2, 2, 32, torch.bfloat16, seed=5)
     calls = []
@@ -155,7 +161,8 @@ def test_bf16_prefill_rows_through_sdpa_match_dense(monkeypatch, amx, block_size
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     out = cpu.paged_attention(query, kc, vc, meta, 32 ** -0.5)
     assert out.shape == query.shape and out.dtype == torch.bfloat16
-    assert [c[-2] for c in calls] == ([q for _, q in SDPA_ROWS_CASE if q >= cpu.SDPA_ROWS] if amx else [])
+    assert [c[-2] for c in calls] == ([sdpa_length(d, q) for d, q in SDPA_ROWS_CASE if q >= cpu.SDPA_ROWS]
+                                      if amx else [])
     torch.testing.assert_close(out.double(), naive_attention(query, SDPA_ROWS_CASE, dense, 2, 32 ** -0.5),
                                **TOL[torch.bfloat16])
     for row, table in enumerate(tables):            # no row reads another row's blocks, on either path
