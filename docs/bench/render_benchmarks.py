@@ -5,7 +5,8 @@ import json
 from pathlib import Path
 
 from render_floors import dtype_table, floors_lines, hf_by_dtype, user_dtype, vllm_by_dtype
-from render_machines import ROUTING, extra_results, machine_section, profile_table
+from page_text import FAST, ROUTING
+from render_machines import extra_results, machine_section, profile_table
 
 from qwen_npu.tools.bench_report import ratio_text
 from run_benchmarks import MIXED_STEPS
@@ -234,7 +235,7 @@ def render(res: dict, md: Path, png: Path, extra: list[Path] | None = None) -> N
         probes = [ours.get(w, {}).get("decode_ms_b1") for w in ("mixed", "seed")]
         probes = [v for v in probes if v]
         if probes:
-            lines[-1] += (f" In the workload runs the whole batch-1 step (scheduling and sampling included) took "
+            lines[-1] += (" In the workload runs the whole batch-1 step (scheduling and sampling included) took "
                           + " and ".join(f"{v:.1f}" for v in probes) + " ms, "
                           + " and ".join(f"{v / floor:.2f}x" for v in probes) + " that floor.")
         lines += ["", "This host is shared and its speed drifts: the same kernels ran 20-40% slower in some",
@@ -286,24 +287,5 @@ def render(res: dict, md: Path, png: Path, extra: list[Path] | None = None) -> N
                   + ", ".join(f"[`bench/{p.name}`](bench/{p.name})" for p in extra) + ".", ""]
     for path in extra:
         lines += machine_section(json.loads(path.read_text()))
-    lines += ["## What makes qwen-npu fast here", "",
-              "- The LM head runs only for the rows that sample; q/k/v and gate/up are one matrix each.",
-              "- `kernels=\"cpu\"` on a CPU with native bf16 (AVX512-BF16, AMX): every matrix is reordered",
-              "  once at load into oneDNN's blocked layout (`kernels/onednn.py`), backed by huge pages, and",
-              "  every product runs on it (fewer than four rows padded to four); prefill attention tiles run",
-              "  on bf16 pairs (`csrc/attention_bf16.cpp`), and with AMX tiles bf16 prefill rows of 16",
-              "  tokens or more attend through torch's SDPA. Without native bf16: bf16 weights are widened",
-              "  to fp32 in registers; decode streams each weight row once (batch 1: four rows at a time,",
-              "  prefetched ahead); prefill packs x in 6-row groups and weights in transposed 16-row panels",
-              "  for a 6 x 16 register tile.",
-              "- Decode attention takes all KV heads of a token in one work item, so each position's K/V",
-              "  (adjacent in the cache) stream through memory in order; positions are found through",
-              "  offsets worked out once per item from the block table.",
-              "- Plain weights live in one 2 MiB-aligned arena advised for transparent huge pages.",
-              "- q/k head norms and RoPE run as one kernel, SiLU-mul as another; greedy sampling and the",
-              "  logits health check share one read of the logits (`csrc/greedy.cpp`).",
-              "- The scheduler does not admit a prompt in the step where another row is computing the",
-              "  blocks it starts with: it waits a step and takes them from the prefix cache.",
-              "- Device outputs: one int64 per row crosses to the host per step.", ""]
-    lines += [ROUTING]
+    lines += [FAST, ROUTING]
     md.write_text("\n".join(lines))

@@ -1,0 +1,118 @@
+"""The prose of docs/benchmarks.md that no run writes: what makes qwen-npu fast, and the
+measurements behind the cpu set's thresholds and choices (render_benchmarks.py places them)."""
+
+FAST = """## What makes qwen-npu fast here
+
+- The LM head runs only for the rows that sample; q/k/v and gate/up are one matrix each.
+- `kernels="cpu"` on a CPU with native bf16 (AVX512-BF16, AMX): every matrix is reordered
+  once at load into oneDNN's blocked layout (`kernels/onednn.py`), backed by huge pages, and
+  every product runs on it (fewer than four rows padded to four); attention runs on bf16 pairs,
+  prefill tiles (`csrc/attention_bf16.cpp`) and decode tokens (`csrc/attention_decode_bf16.cpp`,
+  K and V read straight from the cache and prefetched ahead), and with AMX tiles bf16 prefill
+  rows of 16 tokens or more attend through torch's SDPA (a causal row of awkward length padded
+  at its end to a multiple of 16). Without native bf16: bf16 weights are widened
+  to fp32 in registers; decode streams each weight row once (batch 1: four rows at a time,
+  prefetched ahead); prefill packs x in 6-row groups and weights in transposed 16-row panels
+  for a 6 x 16 register tile.
+- Decode attention takes all KV heads of a token in one work item, so each position's K/V
+  (adjacent in the cache) stream through memory in order; positions are found through
+  offsets worked out once per item from the block table.
+- Plain weights live in one 2 MiB-aligned arena advised for transparent huge pages.
+- q/k head norms and RoPE run as one kernel, SiLU-mul as another, on 16 lanes where the CPU has
+  AVX-512 (`csrc/elementwise_avx512.cpp`, the bits of the 8-lane kernels); greedy sampling and
+  the logits health check share one read of the logits (`csrc/greedy.cpp`).
+- The scheduler does not admit a prompt in the step where another row is computing the
+  blocks it starts with: it waits a step and takes them from the prefix cache.
+- Device outputs: one int64 per row crosses to the host per step.
+"""
+
+ROUTING = """## Kernel routing: the measurements behind the cpu set's thresholds
+
+Measured on a 2-core AVX512-BF16 host without AMX (interleaved A/B), 0.6B shapes:
+
+- `NATIVE_ROWS = 6` (CPUs with native bf16 but no AVX512-BF16 dot products): torch's bf16 product
+  (oneDNN: bf16 products, fp32 sums) was 1.3-2.3x faster than `csrc/linear.cpp` from 8 rows up;
+  below 6 rows the C++ kernel streamed the weights as fast or faster. torch's float32 product fed
+  with weights widened to fp32 on each call lost to the C++ kernel at every shape (1.1-2.3x).
+- `BF16_DOT_ROWS = 20` (AVX512-BF16): one layer's products plus the LM head, ms, dot-product kernel /
+  C++ widening kernel / torch: 1 row 11.1 / 13.5 / 16.4, 8 rows 18.1 / 31.4 / 21.9, 16 rows 25.9 /
+  41.9 / 26.8, 24 rows 33.6 / 53.8 / 33.3, 32 rows 41.2 / 67.1 / 38.6. Whole batch-16 decode steps:
+  106-108 ms with the dot-product kernel, 115-119 ms with torch's product (3 interleaved rounds);
+  batch 1: 45 ms, 53-54 ms with the widening kernel.
+- `kernels="auto"` on that host: decode steps 1.6x (batch 1) and 2.4x (batch 16) faster with the
+  cpu set than with the reference set, before the dot-product kernel.
+
+Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
+
+- With AMX, torch's bf16 product runs on the tiles and wins from a few rows: the four products of
+  a layer took 1.56 ms at 16 rows against 4.02 ms through the dot-product kernel (0.77 / 2.20 ms at
+  1 row, 1.41 / 1.59 ms at 4). Whole decode steps at context 128, three interleaved rounds, best
+  of each: batch 8 124-128 ms with torch from 2-8 rows against 175 ms with the old threshold of
+  20, batch 16 136-144 ms against 244 ms; batch 4 110-118 ms either way. So on an AMX CPU torch
+  takes over from `NATIVE_ROWS` (6) rows.
+- Prefill attention of one 512-token row, per layer: the C++ flash loop 19-28 ms, torch's SDPA in
+  bf16 4-5 ms (3-D inputs take SDPA's slow path: 26 ms; the kernel passes 4-D ones). Under
+  `QWEN_NPU_CPU_ISA=avx2` the C++ loop stays the faster (18.8 ms against 25.6 ms for SDPA in bf16
+  and 27.8 ms in fp32), so SDPA is used only with AMX (`SDPA_ROWS = 16` tokens and more).
+- Greedy sampling plus the health check of 16 rows of 151936 logits: 2.3 ms for torch's argmax
+  alone and two more passes for the check, 0.36 ms for the fused read (`greedy_health`).
+- oneDNN's bf16 product with the weights reordered once for it
+  (`torch.ops.mkldnn._reorder_linear_weight`) was bit-identical and 27% faster at 16 and 128 rows
+  (the same at 512).
+
+Measured on a 2-core AMD EPYC with AVX512-BF16 (no AMX), 2026-12-02, 0.6B shapes, interleaved A/B:
+
+- Weights reordered for oneDNN (`kernels/onednn.py`), the 28 layers' four products in a row, ms,
+  plain weights through the routing above / reordered: 1 row 39.8 / 38.2, 2 rows 40.4 / 40.6,
+  4 rows 44.2 / 34.3, 16 rows 72.6 / 50.1; the LM head 13.6 / 11.6 (1 row), 16.1 / 10.2 (4),
+  27.7 / 19.0 (16). With one or two rows oneDNN takes a slower path than with four (1 row padded
+  to 4: 41.5 ms against 47.1), so fewer rows are padded to four. Whole decode steps at context
+  128, reordered weights backed by huge pages (`MADV_COLLAPSE`) against plain weights in the
+  arena, medians of five interleaved rounds on a busy host: batch 1 57.9 / 58.8 ms, batch 2
+  62.8 / 67.6, batch 4 62.8 / 75.3, batch 16 112.8 / 142.7 (without huge pages batch 1 was 5-10%
+  slower than on the arena; an earlier, quieter sitting gave batch 16 84 against 108 ms). The products are bit-identical
+  to torch's bf16 product on the plain weights; the plain matrices are not kept (a tied LM head
+  keeps the embedding and gets a reordered copy).
+- Prefill attention tiles: up to 64 query rows per tile instead of 16 (each K/V chunk packed once
+  for four times the rows; same bits) took a 512-token row from 16.3 to 13.0 ms per layer; on bf16
+  pairs (`csrc/attention_bf16.cpp`) 1.5-2x faster again than the fp32 tile at every shape measured
+  (512 tokens: 7-8 ms against 11-15 ms), with errors against float32 attention as large as the
+  fp32 tile's (both dominated by the bf16 output). torch's SDPA in bf16 took 22.8 ms there.
+
+Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-03, 0.6B shapes, on a
+host whose runs varied by about 5% from one to the next (the figures are best or median of
+interleaved rounds):
+
+- Decode attention on bf16 dot products (`csrc/attention_decode_bf16.cpp`) against the fp32
+  decode kernel, 16 rows of 512 positions each in their own blocks, ms per layer: 1.23 against 1.47
+  with one layer's K/V (it stays in the 480 MiB L3), 1.83 against 2.57 over 28 layers' (read from
+  memory: 18.3 against 13.1 GB/s, of the 30 GB/s a plain sum reads); prefetching 16 positions
+  ahead brought 2.1 to 1.9 ms, and 32 or 64 ahead did no better. Backing the caches with huge pages
+  changed nothing. Whole batch-16 decode steps at context 512: 140 ms before, 119-126 ms after.
+- The bf16 elementwise kernels on 16 AVX-512 lanes against 8 AVX2 lanes, 512 tokens, ms:
+  `rms_norm` 0.105 / 0.170, `add_rms_norm` 0.146 / 0.243, `qk_norm_rope` 0.59 / 0.89, `silu_mul`
+  0.51 / 0.87 (the norms of a 512-token prefill step: 48 ms before, 32 ms after).
+- torch's SDPA for one causal row, 16 query and 8 KV heads of 128, is up to twice as slow at
+  lengths that are not a multiple of 16 (333 tokens 2.15 ms, padded to 336 1.04 ms; 428 tokens
+  2.48 ms, padded to 432 1.51 ms; 202 tokens 0.92 ms, padded to 208 0.51 ms) and a little faster
+  unpadded below about 128 (70 tokens: 0.17 ms against 0.20 ms padded to 80): `SDPA_PAD = 16`,
+  `SDPA_PAD_FROM = 128`. Prefilling the 32 prompts of `mixed`: 8.2-8.7 s padded, 8.4-8.8 s not.
+- oneDNN's product on the reordered weights, 28 layers' four products in a row, cold weights,
+  GFLOP/s: 2068 at 256 rows, 1811 at 512, 2269 at 1024, 2356 at 2048. At exactly 512 rows the
+  o projection ([1024, 2048]) falls to half its rate (51 ms against 31 ms for two calls of 256
+  rows; at 448 or 640 rows it does not), and the other three lose nothing: most of why a
+  512-token prefill step's products take 0.52 ms a token against 0.44 at 1024. Prefilling the 32
+  prompts of `mixed`, three interleaved rounds: `chunk_size=512` 8.5-8.7 s, 768 7.4-7.7 s, 1024
+  7.2-7.5 s; whole `mixed` runs 29.1 s (512), 27.9 s (768), 28.2 s (1024), 28.9 s (2048). Steps
+  of 2048 and 4096 tokens lose much of that to page faults on fresh activations (glibc returns
+  them to the system; with `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` raised, a
+  4096-token step went from 0.88-1.37 to 0.69-0.78 ms a token), none at 512.
+- vLLM 0.32 (bfloat16) on the same host, its own steps: prefill 1565 tokens/s for 16 prompts of
+  128 and 1358 for 16 of 512 (qwen-npu: 1010-1160), decode at batch 16 and context 128 83 ms
+  (qwen-npu: 81-85), batch 1 61.5 ms (qwen-npu: 61-73). vLLM's CPU default is up to 4096 tokens a
+  step with decode rows first (`chunk_size=4096` and `mixed_steps=True` here: 29.0 s for `mixed`,
+  its first 4096-token step at 1.24 ms a token). The gap on `mixed` is its prefill.
+- The `mixed` workload with `mixed_steps=True` against prefill-first (the default), one sitting:
+  28.5 against 29.0 s, and 29.0 against 29.1-29.5 s in two more; on the AMD host above it was the
+  slower (59.5 against 54.1 s), so the default stays prefill-first.
+"""
