@@ -28,12 +28,13 @@ def attend(meta, query, kc, vc, scale, bf16_dot):
 @pytest.mark.parametrize("kv_heads, gqa, head_dim", [(2, 2, 128), (1, 1, 32), (2, 5, 64), (1, 3, 256),
                                                      (3, 4, 96), (2, 2, 48)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_decode_tokens_match_dense_and_the_fp32_kernel(kv_heads, gqa, head_dim, block_size):
-    meta, query, kc, vc, dense, _ = build_case(ROWS, block_size, kv_heads, gqa, head_dim, torch.bfloat16, seed=9)
+@pytest.mark.parametrize("rows", [ROWS, ROWS[-1:]], ids=["many-rows", "one-row"])   # one row: KV heads split
+def test_decode_tokens_match_dense_and_the_fp32_kernel(kv_heads, gqa, head_dim, block_size, rows):
+    meta, query, kc, vc, dense, _ = build_case(rows, block_size, kv_heads, gqa, head_dim, torch.bfloat16, seed=9)
     meta = dataclasses.replace(meta, is_decode=True)
     scale = head_dim ** -0.5
     fast, slow = attend(meta, query, kc, vc, scale, True), attend(meta, query, kc, vc, scale, False)
-    want = naive_attention(query, ROWS, dense, gqa, scale)
+    want = naive_attention(query, rows, dense, gqa, scale)
     torch.testing.assert_close(fast.double(), want, **TOL[torch.bfloat16])
     torch.testing.assert_close(slow.double(), want, **TOL[torch.bfloat16])
     assert torch.equal(fast, slow) == (head_dim % 32 != 0)      # the bf16 kernel ran exactly where it can
