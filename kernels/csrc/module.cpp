@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include "vec.h"
 #include "elementwise.h"
+#include <ATen/Parallel.h>
 #include <cstring>
 
 namespace qwen_npu_cpu {
@@ -184,11 +185,18 @@ torch::Tensor silu_mul(torch::Tensor gate_up, bool wide) {
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
               torch::Tensor slot_mapping) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cpu write_kv: caches must be contiguous");
-  auto k = key.to(key_cache.scalar_type()).contiguous();
-  auto v = value.to(value_cache.scalar_type()).contiguous();
   auto slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t T = slots.size(0);
   if (T == 0) return;
+  // A token's K (or V) must be one contiguous row; the tokens may lie any stride apart (V is a
+  // view of the fused qkv output), so such a view is read in place rather than copied first.
+  auto rows = [&](const torch::Tensor& x, const torch::Tensor& cache) {
+    auto y = x.to(cache.scalar_type());
+    const bool in_place = y.dim() == 3 && y.stride(2) == 1 && y.stride(1) == y.size(2);
+    return in_place ? y : y.contiguous();
+  };
+  auto k = rows(key, key_cache);
+  auto v = rows(value, value_cache);
   const int64_t row = k.numel() / T;
   const int64_t bytes = row * k.element_size();
   const int64_t num_slots = key_cache.numel() / row;
@@ -199,11 +207,16 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   auto* vd = static_cast<char*>(value_cache.data_ptr());
   const auto* ks = static_cast<const char*>(k.data_ptr());
   const auto* vs = static_cast<const char*>(v.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
-    if (s[t] < 0) continue;
-    std::memcpy(kd + s[t] * bytes, ks + t * bytes, bytes);
-    std::memcpy(vd + s[t] * bytes, vs + t * bytes, bytes);
-  }
+  const int64_t k_step = (k.dim() == 3 ? k.stride(0) : row) * k.element_size();
+  const int64_t v_step = (v.dim() == 3 ? v.stride(0) : row) * v.element_size();
+  // Tokens split across threads from 64 on (a prefill chunk); a decode step's few run inline.
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (s[t] < 0) continue;
+      std::memcpy(kd + s[t] * bytes, ks + t * k_step, bytes);
+      std::memcpy(vd + s[t] * bytes, vs + t * v_step, bytes);
+    }
+  });
 }
 
 std::tuple<torch::Tensor, torch::Tensor> greedy_health(torch::Tensor logits) {
