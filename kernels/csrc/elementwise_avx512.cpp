@@ -62,7 +62,7 @@ QN_AVX512 void norm_row(const BF* x, const BF* residual, const BF* w, int64_t n,
       const int64_t whole = (n - i) / 8 * 8;
       if (whole) acc = _mm256_fmadd_ps(_mm512_castps512_ps256(v), _mm512_castps512_ps256(v), acc);
       rest = n - i - whole;
-      std::copy(tail + whole, tail + whole + rest, tail);
+      if (whole) std::copy(tail + whole, tail + whole + rest, tail);
     }
   }
   const __m512 inv = _mm512_set1_ps(inv_rms(acc, tail, rest, n, eps));

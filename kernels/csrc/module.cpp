@@ -197,7 +197,13 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   };
   auto k = rows(key, key_cache);
   auto v = rows(value, value_cache);
+  TORCH_CHECK(k.dim() >= 1 && k.size(0) == T && v.dim() >= 1 && v.size(0) == T && v.numel() == k.numel() &&
+              k.numel() % T == 0, "cpu write_kv: key and value [T, KV, D] with T = ", T, " slots expected, got ",
+              key.sizes(), " and ", value.sizes());
   const int64_t row = k.numel() / T;
+  TORCH_CHECK(key_cache.dim() == 4 && row == key_cache.size(2) * key_cache.size(3) &&
+              value_cache.sizes() == key_cache.sizes(), "cpu write_kv: a token's K/V (", row,
+              " values) does not fit the caches ", key_cache.sizes(), " and ", value_cache.sizes());
   const int64_t bytes = row * k.element_size();
   const int64_t num_slots = key_cache.numel() / row;
   const int64_t* s = slots.data_ptr<int64_t>();

@@ -42,3 +42,13 @@ def test_a_view_whose_heads_are_not_adjacent_is_copied_first():
         if s >= 0:
             assert torch.equal(kc.view(-1, 3, 16)[s], k[t]) and torch.equal(vc.view(-1, 3, 16)[s], v[t])
     assert not vc.view(-1, 3, 16)[[1, 2, 4]].any()                    # slots no token names stay as they were
+
+
+@pytest.mark.parametrize("k_shape, v_shape, slots", [((3, 2, 8), (3, 2, 8), 4), ((3, 2, 8), (3, 2, 4), 3),
+                                                     ((3, 2, 4), (3, 2, 4), 3)],
+                         ids=["fewer-tokens-than-slots", "value-unlike-key", "row-unlike-the-cache"])
+def test_shapes_that_disagree_are_refused_before_anything_is_written(k_shape, v_shape, slots):
+    kc, vc = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="cpu write_kv"):
+        cpu.ops().write_kv(torch.ones(k_shape), torch.ones(v_shape), kc, vc, torch.arange(slots))
+    assert not kc.any() and not vc.any()
