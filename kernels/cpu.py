@@ -15,7 +15,9 @@ but does all arithmetic in fp32:
                        On a CPU with native bf16 (AVX512-BF16, AMX),    bf16 products (exact in
                        a Session's matrices are reordered once at load  fp32), fp32 sums
                        for oneDNN (``prepare_weight``, kernels/onednn.py)
-                       and every product runs on them; plain bf16
+                       and every product runs on them (up to 16 rows
+                       on AMX tiles from the same bytes, csrc/
+                       linear_amx.cpp: oneDNN's bits); plain bf16
                        weights below torch_rows() rows: C++
                        (csrc/linear_bf16.cpp) native bf16 dot products,
                        from it on torch's bf16 product
@@ -72,7 +74,7 @@ from .onednn import prepares as prepares_weights  # noqa: F401
 
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("module.cpp", "linear.cpp", "linear_bf16.cpp", "attention.cpp", "attention_bf16.cpp", "attention_decode.cpp",
+SOURCES = ("module.cpp", "linear.cpp", "linear_bf16.cpp", "linear_amx.cpp", "attention.cpp", "attention_bf16.cpp", "attention_decode.cpp",
            "attention_decode_bf16.cpp", "elementwise_avx512.cpp",
            "norm.cpp",
            "activation.cpp", "greedy.cpp", "peak.cpp")
@@ -81,6 +83,9 @@ HEADERS = ("vec.h", "vec512.h", "elementwise.h", "attention.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 # From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).
 PANEL_ROWS = 16
+# Up to this many x rows, a product on a weight reordered for oneDNN runs csrc/linear_amx.cpp on a CPU
+# with AMX tiles (the same bits, the weights streamed 16-24% faster: docs/benchmarks.md).
+AMX_ROWS = 16
 # From this many x rows on, a CPU with AMX bf16 tiles runs torch's bf16 product (oneDNN on the tiles);
 # below it the C++ kernels stream the weights as fast or faster (docs/benchmarks.md).
 NATIVE_ROWS = 6
@@ -192,12 +197,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T -> [..., N] in x's dtype, accumulated in fp32.
 
     A weight from ``prepare_weight`` (bf16 on a CPU with native bf16: how a Session holds its
-    matrices there): oneDNN's product on the reordered weight (kernels/onednn.py). Plain bf16
+    matrices there): oneDNN's product on the reordered weight (kernels/onednn.py); up to
+    ``AMX_ROWS`` rows on a CPU with AMX tiles, csrc/linear_amx.cpp on the same bytes. Plain bf16
     weights: from ``torch_rows()`` rows on torch's bf16 product; fewer rows on a CPU with
     AVX512-BF16, csrc/linear_bf16.cpp (native bf16 dot products); everything else,
     csrc/linear.cpp (weights widened in registers)."""
     if weight.is_mkldnn:
-        return onednn.linear(x, weight)
+        y = _amx_linear(x, weight)
+        return y if y is not None else onednn.linear(x, weight)
     if weight.dtype == torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight)
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() > 0 and native_bf16():
@@ -207,6 +214,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if bf16_dot():
             return ops().linear_bf16(x, weight)
     return ops().linear(x, weight, PANEL_ROWS)
+
+
+def _amx_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight.T through csrc/linear_amx.cpp for up to ``AMX_ROWS`` bf16 rows of x and a weight
+    reordered for oneDNN, where the AMX kernel gives oneDNN's bits for the weight's shape; None
+    (oneDNN then multiplies) everywhere else."""
+    n, k = weight.shape
+    rows = x.numel() // max(k, 1)
+    if not (0 < rows <= AMX_ROWS and x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] == k
+            and amx_layout_agrees(weight)):
+        return None
+    y = ops().linear_amx(x.reshape(rows, k), torch.ops.mkldnn.data_ptr(weight), n)
+    return None if y is None else y.view(*x.shape[:-1], n)
+
+
+_AGREES: dict[tuple[int, int], bool] = {}     # (N, K) -> does the AMX kernel read that layout right?
+
+
+def amx_layout_agrees(weight: torch.Tensor) -> bool:
+    """Does csrc/linear_amx.cpp give oneDNN's bits for a reordered weight of this shape here? The
+    kernel assumes oneDNN's blocked layout; on the first weight of each shape both multiply three
+    random rows and must agree bit for bit, else that shape stays with oneDNN."""
+    shape = tuple(weight.shape)
+    if shape not in _AGREES:
+        ok = amx() and shape[0] % 32 == 0 and shape[1] % 32 == 0 and bool(ops().has_amx_linear())
+        if ok:
+            x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
+            y = ops().linear_amx(x, torch.ops.mkldnn.data_ptr(weight), shape[0])
+            ok = y is not None and torch.equal(y, onednn.linear(x, weight))
+        _AGREES[shape] = ok
+    return _AGREES[shape]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

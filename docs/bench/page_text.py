@@ -89,6 +89,13 @@ interleaved rounds):
   memory: 18.3 against 13.1 GB/s, of the 30 GB/s a plain sum reads); prefetching 16 positions
   ahead brought 2.1 to 1.9 ms, and 32 or 64 ahead did no better. Backing the caches with huge pages
   changed nothing. Whole batch-16 decode steps at context 512: 140 ms before, 119-126 ms after.
+- Products of up to 16 rows on AMX tiles from oneDNN's reordered weights (`csrc/linear_amx.cpp`;
+  oneDNN lays a reordered [N, K] matrix out as [N/32][K/2][32][2], the B operand of a tile
+  product as it lies), the 28 layers' four products in a row, cold weights: 1 row 34.0 ms against
+  44.6 through oneDNN (25.9 against 19.7 GB/s), 4 rows 34.2 / 40.8, 16 rows 35.9 / 42.6, the bits
+  identical at every row count. Software prefetch made it slower (the tiles' 16-row loads stream
+  well on their own). Whole decode steps at context 128: batch 1 57 ms (61 before), batch 16
+  79-80 ms (82-85).
 - The bf16 elementwise kernels on 16 AVX-512 lanes against 8 AVX2 lanes, 512 tokens, ms:
   `rms_norm` 0.105 / 0.170, `add_rms_norm` 0.146 / 0.243, `qk_norm_rope` 0.59 / 0.89, `silu_mul`
   0.51 / 0.87 (the norms of a 512-token prefill step: 48 ms before, 32 ms after).

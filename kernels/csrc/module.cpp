@@ -225,6 +225,21 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   });
 }
 
+// x [M, K] bf16 times the [N, K] weights oneDNN reordered at ``weight_address`` (its blocked
+// layout; the caller checks that this CPU's oneDNN chose it) -> [M, N] bf16, or an undefined tensor
+// where the kernel cannot take the call (more than 16 rows, K or N not a multiple of 32, no tiles).
+torch::Tensor linear_amx(torch::Tensor x, int64_t weight_address, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
+              "cpu linear_amx: x must be a 2-D bf16 cpu tensor, got ", x.sizes(), " ", x.scalar_type());
+  auto xc = x.contiguous();
+  auto y = torch::empty({xc.size(0), n}, xc.options());
+  const auto* w = reinterpret_cast<const uint16_t*>(static_cast<uintptr_t>(weight_address));
+  if (!linear_amx_kernel(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), xc.size(0), xc.size(1), w, n,
+                         reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>())))
+    return torch::Tensor();
+  return y;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> greedy_health(torch::Tensor logits) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
               "cpu greedy_health: logits must be a 2-D float32 cpu tensor, got ", logits.sizes(), " ",
@@ -243,6 +258,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &qwen_npu_cpu::linear, "y = x @ w.T with fp32 accumulation (bf16 or fp32 weights)");
   m.def("linear_bf16", &qwen_npu_cpu::linear_bf16, "y = x @ w.T, bf16 x and w, AVX512-BF16 dot products");
   m.def("has_bf16_dot", &qwen_npu_cpu::bf16_dot_available, "was the AVX512-BF16 linear compiled in?");
+  m.def("has_amx_linear", &qwen_npu_cpu::linear_amx_available, "was the AMX linear compiled in, with the tiles granted?");
+  m.def("linear_amx", &qwen_npu_cpu::linear_amx, "y = x @ w.T for up to 16 bf16 rows, w in oneDNN's blocked layout");
   m.def("greedy_health", &qwen_npu_cpu::greedy_health, "(argmax, health code) per row of float32 logits");
   m.def("fma_peak", &qwen_npu_cpu::fma_peak, "(GFLOP/s, checksum) of register-resident multiply-adds on every thread");
   m.def("peak_has_avx512", &qwen_npu_cpu::peak_has_avx512, "were the AVX-512 peak loops compiled in?");

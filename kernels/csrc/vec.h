@@ -147,6 +147,10 @@ void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, 
 // linear_bf16.cpp: bf16 x and w with AVX512-BF16 dot products (call only where the CPU has them)
 bool bf16_dot_available();
 void linear_bf16_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);
+// linear_amx.cpp: up to 16 bf16 rows of x times weights in oneDNN's blocked layout, on AMX tiles;
+// false (nothing written) where the shape, the build or the process cannot take it
+bool linear_amx_available();
+bool linear_amx_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, c10::BFloat16* y);
 // greedy.cpp: per row of float32 logits its argmax and health code, in one read
 void greedy_health_kernel(const float* x, int64_t rows, int64_t vocab, int64_t* ids, int64_t* codes);
 // peak.cpp: the compute peak of register-resident multiply-adds on every thread

@@ -1,0 +1,94 @@
+// The decode-shaped bf16 product (up to 16 rows of x) on AMX tiles, straight from the weights
+// oneDNN reordered at load (kernels/onednn.py), so a Session keeps one copy of its matrices:
+//
+//   oneDNN's blocked layout for them: 32 output columns at a time, and within such a block the K
+//   values in pairs, [N / 32][K / 2][32][2] (bf16). A [32 pairs x 16 columns] half of a block is
+//   exactly an AMX B tile (16 rows of 64 bytes, 128 bytes apart), x rows are the A tile as they
+//   lie, and two [rows x 16] fp32 accumulators take the block's 32 columns.
+//
+// Each output block streams its 32 columns' weights once, in memory order; the tiles do the
+// products in K order, as oneDNN's tile kernel does, and the sums are rounded to bf16 with the
+// same instruction, so the result is the bits oneDNN gives (kernels/cpu.py checks that for every
+// matrix shape before it routes a product here, and keeps oneDNN for a shape where it differs).
+// Compiled with function attributes; called only where the CPU has AMX bf16 and Linux granted
+// the tile state.
+#include "vec.h"
+#include <ATen/Parallel.h>
+#include <cstring>
+
+#if defined(__linux__) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
+                           (defined(__clang__) && __clang_major__ >= 12))
+#define QN_LINEAR_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace qwen_npu_cpu {
+
+#ifdef QN_LINEAR_AMX
+namespace {
+
+#define QN_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+struct TileConfig {                 // the AMX palette-1 layout ldtilecfg reads
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Output blocks [b0, b1) of 32 columns: y[:, 32 b .. 32 b + 32) for M <= 16 rows of x.
+QN_AMX void blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int64_t b0, int64_t b1,
+                   c10::BFloat16* y) {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  const auto m = static_cast<uint8_t>(M);
+  cfg.rows[0] = cfg.rows[1] = m; cfg.colsb[0] = cfg.colsb[1] = 64;     // C: M rows x 16 fp32
+  cfg.rows[2] = m; cfg.colsb[2] = 64;                                   // A: M rows x 32 bf16 of x
+  cfg.rows[3] = cfg.rows[4] = 16; cfg.colsb[3] = cfg.colsb[4] = 64;     // B: 16 pairs x 16 columns
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[2][16 * 16];
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint16_t* block = w + b * 32 * K;                             // [K / 2][32][2]
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t k = 0; k < K; k += 32) {
+      _tile_loadd(2, x + k, K * 2);
+      _tile_loadd(3, block + k * 32, 128);                              // pairs k/2 .. k/2 + 15, columns 0-15
+      _tile_loadd(4, block + k * 32 + 32, 128);                         // columns 16-31
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    for (int64_t r = 0; r < M; ++r)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + b * 32 + h * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[h] + r * 16)));
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+bool linear_amx_available() {
+  static const bool granted = [] {                 // Linux hands out the tile state only on request
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
+
+bool linear_amx_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, c10::BFloat16* y) {
+  if (M < 1 || M > 16 || K % 32 != 0 || N % 32 != 0 || !linear_amx_available()) return false;
+  at::parallel_for(0, N / 32, 1, [&](int64_t b0, int64_t b1) { blocks(x, M, K, w, N, b0, b1, y); });
+  return true;
+}
+
+#else
+
+bool linear_amx_available() { return false; }
+bool linear_amx_kernel(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, c10::BFloat16*) { return false; }
+
+#endif
+
+}  // namespace qwen_npu_cpu
