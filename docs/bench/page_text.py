@@ -119,7 +119,10 @@ interleaved rounds):
   (qwen-npu: 81-85), batch 1 61.5 ms (qwen-npu: 61-73). vLLM's CPU default is up to 4096 tokens a
   step with decode rows first (`chunk_size=4096` and `mixed_steps=True` here: 29.0 s for `mixed`,
   its first 4096-token step at 1.24 ms a token). The gap on `mixed` is its prefill.
-- The `mixed` workload with `mixed_steps=True` against prefill-first (the default), one sitting:
-  28.5 against 29.0 s, and 29.0 against 29.1-29.5 s in two more; on the AMD host above it was the
-  slower (59.5 against 54.1 s), so the default stays prefill-first.
+- The `mixed` workload with `mixed_steps=True` against prefill-first (the default): 28.5 against
+  29.0 s before products of up to 16 rows moved to the AMX kernel, 26.8 against 27.9 s after (one
+  sitting each); on the AMD host above it was the slower (59.5 against 54.1 s). The tokens are
+  not the same either way (13 of the first 20 `mixed` requests identical over 12 tokens on the
+  random checkpoint: a step's row count changes which product kernel a row meets), so the
+  default stays prefill-first.
 """
