@@ -123,7 +123,7 @@ interleaved rounds):
   29.0 s before products of up to 16 rows moved to the AMX kernel, 26.8 against 27.9 s after (one
   sitting each); on the AMD host above it was the slower (59.5 against 54.1 s). The tokens are
   not the same either way (13 of the first 20 `mixed` requests identical over 12 tokens on the
-  random checkpoint: decode-first packing cuts the prompts into other chunks, and a chunk that
+  random checkpoint; most likely because decode-first packing cuts the prompts into other chunks, and a chunk that
   follows a cached part attends through another call than a whole prompt, with other roundings),
   so the default stays prefill-first.
 """
