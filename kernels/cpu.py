@@ -69,7 +69,6 @@ import torch.nn.functional as F
 
 from . import build, cpu_features, onednn, reference
 from .metadata import AttentionMetadata
-from .onednn import prepare_weight  # noqa: F401  (the model's load)
 from .onednn import prepares as prepares_weights  # noqa: F401
 
 NAME = "cpu"
@@ -216,35 +215,53 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return ops().linear(x, weight, PANEL_ROWS)
 
 
+def prepare_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The model's load: ``onednn.prepare_weight`` (reordered for oneDNN where the CPU has native
+    bf16), and on a CPU with AMX tiles the AMX kernel's check of the result (``amx_agrees``) made
+    then rather than in the first decode step."""
+    prepared = onednn.prepare_weight(weight)
+    if prepared.is_mkldnn and amx():
+        amx_agrees(prepared)
+    return prepared
+
+
 def _amx_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x @ weight.T through csrc/linear_amx.cpp for up to ``AMX_ROWS`` bf16 rows of x and a weight
-    reordered for oneDNN, where the AMX kernel gives oneDNN's bits for the weight's shape; None
-    (oneDNN then multiplies) everywhere else."""
+    reordered for oneDNN that the kernel reads to oneDNN's bits (``amx_agrees``); None (oneDNN
+    then multiplies) everywhere else."""
     n, k = weight.shape
     rows = x.numel() // max(k, 1)
     if not (0 < rows <= AMX_ROWS and x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] == k
-            and amx_layout_agrees(weight)):
+            and amx_agrees(weight)):
         return None
     y = ops().linear_amx(x.reshape(rows, k), torch.ops.mkldnn.data_ptr(weight), n)
     return None if y is None else y.view(*x.shape[:-1], n)
 
 
-_AGREES: dict[tuple[int, int], bool] = {}     # (N, K) -> does the AMX kernel read that layout right?
+AGREEMENT_ROWS = (4, AMX_ROWS)      # the row counts amx_agrees multiplies at
 
 
-def amx_layout_agrees(weight: torch.Tensor) -> bool:
-    """Does csrc/linear_amx.cpp give oneDNN's bits for a reordered weight of this shape here? The
-    kernel assumes oneDNN's blocked layout; on the first weight of each shape both multiply three
-    random rows and must agree bit for bit, else that shape stays with oneDNN."""
-    shape = tuple(weight.shape)
-    if shape not in _AGREES:
-        ok = amx() and shape[0] % 32 == 0 and shape[1] % 32 == 0 and bool(ops().has_amx_linear())
-        if ok:
-            x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
-            y = ops().linear_amx(x, torch.ops.mkldnn.data_ptr(weight), shape[0])
-            ok = y is not None and torch.equal(y, onednn.linear(x, weight))
-        _AGREES[shape] = ok
-    return _AGREES[shape]
+def amx_agrees(weight: torch.Tensor) -> bool:
+    """Does csrc/linear_amx.cpp give oneDNN's bits for this reordered weight, at this thread count?
+
+    The kernel assumes oneDNN's blocked layout and sums K in order, as oneDNN does unless it splits
+    the sum across threads (it may on hosts with many cores). So on a weight's first product at a
+    thread count, both multiply random rows (``AGREEMENT_ROWS``) and must agree bit for bit; the
+    answer is kept on the weight, and where it is no, oneDNN multiplies that weight."""
+    threads = torch.get_num_threads()
+    known = getattr(weight, "_amx_agrees", None)
+    if known is None or known[0] != threads:
+        n, k = weight.shape
+        ok = (weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and amx()
+              and cpu_features.avx512_bf16() and bool(ops().has_amx_linear()))
+        gen = torch.Generator().manual_seed(0)
+        for rows in AGREEMENT_ROWS if ok else ():
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            y = ops().linear_amx(x, torch.ops.mkldnn.data_ptr(weight), n)
+            ok = ok and y is not None and torch.equal(y, onednn.linear(x, weight))
+        known = (threads, ok)
+        weight._amx_agrees = known
+    return known[1]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -7,9 +7,10 @@
 //   lie, and two [rows x 16] fp32 accumulators take the block's 32 columns.
 //
 // Each output block streams its 32 columns' weights once, in memory order; the tiles do the
-// products in K order, as oneDNN's tile kernel does, and the sums are rounded to bf16 with the
-// same instruction, so the result is the bits oneDNN gives (kernels/cpu.py checks that for every
-// matrix shape before it routes a product here, and keeps oneDNN for a shape where it differs).
+// products in K order, as oneDNN's tile kernel does unless it splits K across threads, and the
+// sums are rounded to bf16 with the same instruction, so the result is the bits oneDNN gives
+// (kernels/cpu.py checks that on each weight's first product at a thread count, and keeps oneDNN
+// for a weight where they differ). The caller passes the address of a weight reordered so.
 // Compiled with function attributes; called only where the CPU has AMX bf16 and Linux granted
 // the tile state.
 #include "vec.h"

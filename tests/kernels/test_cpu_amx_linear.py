@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from qwen_npu.kernels import cpu, onednn
 
 pytestmark = pytest.mark.skipif(not (cpu.available() and cpu.amx() and cpu.native_bf16()
-                                     and cpu.ops().has_amx_linear()),
+                                     and cpu.bf16_dot() and cpu.ops().has_amx_linear()),
                                 reason="the CPU has no AMX tiles (or Linux does not grant them)")
 
 
@@ -49,10 +50,11 @@ def test_up_to_16_rows_give_onednns_bits(n, k, monkeypatch):
 
 def test_leading_dims_and_non_finite_rows(monkeypatch):
     w = reordered(64, 128, seed=1)
+    seen = calls(monkeypatch)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
     x[0, 1, 5], x[1, 2, 7] = float("nan"), float("inf")
     got, want = cpu.linear(x, w), onednn.linear(x, w)
-    assert got.shape == (2, 3, 64)
+    assert got.shape == (2, 3, 64) and 6 in seen                         # the six rows went to the tiles
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))     # NaN rows bit for bit too
 
 
@@ -64,23 +66,45 @@ def test_what_it_cannot_take_goes_to_onednn(monkeypatch):
     odd = reordered(40, 48, seed=4)                                       # N, K not multiples of 32
     y = torch.randn(4, 48).bfloat16()
     assert torch.equal(cpu.linear(y, odd), onednn.linear(y, odd))
-    assert 17 not in seen and len([r for r in seen if r == 4]) == 0
+    assert 17 not in seen and 4 not in seen[-1:]
+    address = torch.ops.mkldnn.data_ptr(big)                             # the kernel's own refusals
+    for rows, k in ((17, 64), (0, 64), (4, 48)):
+        assert cpu.ops().linear_amx(torch.zeros(rows, k).bfloat16(), address, 64) is None
 
 
-def test_a_layout_the_kernel_misreads_stays_with_onednn(monkeypatch):
-    """If oneDNN laid a shape out otherwise, the first product disagrees and the shape is never
-    routed to the AMX kernel again."""
-    monkeypatch.setattr(cpu, "_AGREES", {})
+def test_another_layout_of_the_same_shape_stays_with_onednn(monkeypatch):
+    """A weight reordered for one row (oneDNN lays it out in blocks of 64 columns) beside one
+    reordered as a Session does: each weight is checked for itself, and the other layout is never
+    read as if it were the kernel's."""
+    w = torch.randn(128, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ours = onednn.prepare_weight(w)
+    other = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    x = torch.randn(4, 64).bfloat16()
+    assert torch.equal(cpu.linear(x, ours), onednn.linear(x, ours))
+    assert torch.equal(cpu.linear(x, other), onednn.linear(x, other))
+    assert ours._amx_agrees[1]
+    assert not other._amx_agrees[1] or torch.equal(cpu.linear(x, other), F.linear(x, w))
+
+
+def test_a_weight_the_kernel_misreads_stays_with_onednn(monkeypatch):
+    """If the kernel read a weight otherwise than oneDNN, its first product disagrees and the
+    weight is never sent to the kernel again."""
     real = cpu.ops()
+    sent = []
 
     class Wrong:
         def __getattr__(self, name):
             fn = getattr(real, name)
             if name == "linear_amx":
-                return lambda x, address, n: fn(x, address, n) + 1             # as if it read other bytes
+                def wrong(x, address, n):
+                    sent.append(x.shape[0])
+                    return fn(x, address, n) + 1                          # as if it read other bytes
+                return wrong
             return fn
     monkeypatch.setattr(cpu, "ops", lambda: Wrong())
     w = reordered(128, 64, seed=5)
     x = torch.randn(4, 64).bfloat16()
     assert torch.equal(cpu.linear(x, w), onednn.linear(x, w))
-    assert cpu._AGREES == {(128, 64): False}
+    assert w._amx_agrees == (torch.get_num_threads(), False)
+    checked = len(sent)
+    assert torch.equal(cpu.linear(x, w), onednn.linear(x, w)) and len(sent) == checked
