@@ -220,7 +220,7 @@ def prepare_weight(weight: torch.Tensor) -> torch.Tensor:
     bf16), and on a CPU with AMX tiles the AMX kernel's check of the result (``amx_agrees``) made
     then rather than in the first decode step."""
     prepared = onednn.prepare_weight(weight)
-    if prepared.is_mkldnn and amx():
+    if prepared.is_mkldnn:
         amx_agrees(prepared)
     return prepared
 

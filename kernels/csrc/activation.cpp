@@ -29,12 +29,11 @@ template <typename T>
 void silu_mul_kernel(const T* gate_up, int64_t row_stride, int64_t rows, int64_t n, T* act) {
   // Parallel over (row, 512-column chunk) pieces, at least 16K elements per thread: batch 1 runs
   // inline, batch 16 of a 0.6B model (16 x 3072) on both cores of a small machine.
-  constexpr int64_t kChunk = 512;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t grain = 16384 / kChunk;
-  at::parallel_for(0, rows * chunks, grain, [&](int64_t p0, int64_t p1) {
+  using elementwise::SILU_CHUNK;
+  const int64_t chunks = (n + SILU_CHUNK - 1) / SILU_CHUNK;
+  at::parallel_for(0, rows * chunks, elementwise::grain_for(SILU_CHUNK), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t r = p / chunks, i0 = (p % chunks) * kChunk, i1 = std::min(n, i0 + kChunk);
+      const int64_t r = p / chunks, i0 = (p % chunks) * SILU_CHUNK, i1 = std::min(n, i0 + SILU_CHUNK);
       const T* gate = gate_up + r * row_stride;
       const T* up = gate + n;
       T* o = act + r * n;

@@ -17,7 +17,6 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <vector>
 
 namespace qwen_npu_cpu {
@@ -99,24 +98,6 @@ void attend_tile(const S* q, const S* kc, const S* vc, const int64_t* pos, int64
     }
 }
 
-// The bf16 dot-product tile where asked for and the cache is bf16; false for the fp32 tile.
-template <typename S>
-bool bf16_tile(bool wanted, const S* q, const S* kc, const S* vc, const int64_t* pos, int64_t T, int64_t first_visible,
-               int64_t kvh, float scale, const Geometry& g, S* out) {
-  if constexpr (std::is_same_v<S, c10::BFloat16>)
-    return wanted && attend_tile_bf16(q, kc, vc, pos, T, first_visible, kvh, scale, g, out);
-  return false;
-}
-
-// The bf16 dot-product decode token where asked for and the cache is bf16; false for the fp32 one.
-template <typename S>
-bool bf16_token(bool wanted, const S* q, const S* kc, const S* vc, const int64_t* pos, int64_t n, int64_t kvh0,
-                int64_t kvh1, float scale, const Geometry& g, S* out) {
-  if constexpr (std::is_same_v<S, c10::BFloat16>)
-    return wanted && attend_token_bf16(q, kc, vc, pos, n, kvh0, kvh1, scale, g, out);
-  return false;
-}
-
 // A work item: tokens [t0, t1) of a row, KV heads [kvh0, kvh1).
 struct Item { int64_t row, t0, t1, kvh0, kvh1; };
 
@@ -164,13 +145,13 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
       }
       const int64_t off = it.t0 * g.H * g.D + it.kvh0 * g.G * g.D;
       if (it.t1 - it.t0 == 1 && !(shape.invariant && blocked)) {
-        if (!bf16_token(shape.bf16_dot, q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1, scale, g,
-                        o + off))
+        if (!(shape.bf16_dot && attend_token_bf16(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1,
+                                                  scale, g, o + off)))
           attend_token(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1, scale, g, o + off, work);
-      }
-      else if (!bf16_tile(shape.bf16_dot, q + off, kc, vc, pos.data(), it.t1 - it.t0, first_visible, it.kvh0,
-                          scale, g, o + off))
+      } else if (!(shape.bf16_dot && attend_tile_bf16(q + off, kc, vc, pos.data(), it.t1 - it.t0, first_visible,
+                                                      it.kvh0, scale, g, o + off))) {
         attend_tile(q + off, kc, vc, pos.data(), it.t1 - it.t0, first_visible, it.kvh0, scale, g, o + off, work);
+      }
     }
   });
 }

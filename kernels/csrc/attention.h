@@ -36,4 +36,14 @@ bool attend_tile_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
                       int64_t T, int64_t first_visible, int64_t kvh, float scale, const Geometry& g,
                       c10::BFloat16* out);
 
+// An fp32 cache has no bf16 path: the fp32 kernels run.
+inline bool attend_token_bf16(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                              float, const Geometry&, float*) {
+  return false;
+}
+inline bool attend_tile_bf16(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                             float, const Geometry&, float*) {
+  return false;
+}
+
 }  // namespace qwen_npu_cpu

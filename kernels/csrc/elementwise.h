@@ -2,6 +2,7 @@
 // exactly as torch does, and the declarations of the fused per-layer kernels.
 #pragma once
 #include "vec.h"
+#include <algorithm>
 
 namespace qwen_npu_cpu {
 namespace elementwise {
@@ -31,6 +32,13 @@ inline void store8(c10::BFloat16* p, __m256 v) {
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+
+// Work per thread in the elementwise kernels: at least 16K elements, so that a batch-1 decode
+// step's calls run inline and batch 16 uses both cores of a small machine (they are bound by
+// arithmetic, not memory).
+inline int64_t grain_for(int64_t per_item) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(per_item, 1)); }
+// silu_mul works in (row, SILU_CHUNK-column chunk) pieces.
+constexpr int64_t SILU_CHUNK = 512;
 
 }  // namespace elementwise
 

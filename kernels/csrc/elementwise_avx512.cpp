@@ -16,6 +16,8 @@ namespace qwen_npu_cpu {
 #ifdef QN_BF16_DOT
 namespace {
 
+using elementwise::grain_for;
+using elementwise::SILU_CHUNK;
 using vec512::BF;
 using vec512::exp16;
 using vec512::first;
@@ -25,8 +27,6 @@ using vec512::store16;
 
 constexpr int64_t MAX_HEAD_DIM = 256;           // qk_norm_rope keeps a head in registers
 
-// As norm.cpp's grain: at least 16K elements per thread.
-inline int64_t grain_for(int64_t per_item) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(per_item, 1)); }
 
 // The sum of squares of 16 values in the 8-lane order: lanes 0-7, then lanes 8-15, into acc.
 QN_AVX512 inline __m256 add_squares(__m512 v, __m256 acc) {
@@ -158,13 +158,12 @@ bool qk_norm_rope_avx512(const BF* q, int64_t q_tok, int64_t q_head, const BF* k
 }
 
 bool silu_mul_avx512(const BF* gate_up, int64_t row_stride, int64_t rows, int64_t n, BF* act) {
-  constexpr int64_t kChunk = 512;              // as activation.cpp: (row, 512-column chunk) pieces
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  at::parallel_for(0, rows * chunks, 16384 / kChunk, [&](int64_t p0, int64_t p1) {
+  const int64_t chunks = (n + SILU_CHUNK - 1) / SILU_CHUNK;
+  at::parallel_for(0, rows * chunks, grain_for(SILU_CHUNK), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t r = p / chunks, i0 = (p % chunks) * kChunk;
+      const int64_t r = p / chunks, i0 = (p % chunks) * SILU_CHUNK;
       const BF* gate = gate_up + r * row_stride;
-      silu_mul_piece(gate, gate + n, i0, std::min(n, i0 + kChunk), act + r * n);
+      silu_mul_piece(gate, gate + n, i0, std::min(n, i0 + SILU_CHUNK), act + r * n);
     }
   });
   return true;

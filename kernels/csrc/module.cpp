@@ -159,10 +159,10 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Te
   if (!QN_WIDE(qc, qk_norm_rope_avx512(QN_BF(qc), qc.stride(0), qc.stride(1), QN_BF(kc), kc.stride(0), kc.stride(1),
                                         QN_BF(qw), QN_BF(kw), c.data_ptr<float>(), s.data_ptr<float>(), T,
                                         qc.size(1), kc.size(1), D, static_cast<float>(eps), QN_BF(qo), QN_BF(ko))))
-  QN_DISPATCH(qc, X, qk_norm_rope_kernel<X>(qc.data_ptr<X>(), qc.stride(0), qc.stride(1), kc.data_ptr<X>(),
-                                            kc.stride(0), kc.stride(1), qw.data_ptr<X>(), kw.data_ptr<X>(),
-                                            c.data_ptr<float>(), s.data_ptr<float>(), T, qc.size(1), kc.size(1), D,
-                                            static_cast<float>(eps), qo.data_ptr<X>(), ko.data_ptr<X>()))
+    QN_DISPATCH(qc, X, qk_norm_rope_kernel<X>(qc.data_ptr<X>(), qc.stride(0), qc.stride(1), kc.data_ptr<X>(),
+                                              kc.stride(0), kc.stride(1), qw.data_ptr<X>(), kw.data_ptr<X>(),
+                                              c.data_ptr<float>(), s.data_ptr<float>(), T, qc.size(1), kc.size(1), D,
+                                              static_cast<float>(eps), qo.data_ptr<X>(), ko.data_ptr<X>()))
   return {qo, ko};
 }
 

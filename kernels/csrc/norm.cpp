@@ -12,6 +12,7 @@
 namespace qwen_npu_cpu {
 namespace {
 
+using elementwise::grain_for;
 using elementwise::round8;
 using elementwise::store8;
 
@@ -93,10 +94,6 @@ inline void rope_row(const float* cos, const float* sin, int64_t d, float* c, fl
     s[i] = rounded<T>(sin[i]);
   }
 }
-
-// At least 16K elements per thread: a batch-1 decode step's calls run inline, batch 16 uses both
-// cores of a small machine (these kernels are bound by arithmetic, not memory).
-inline int64_t grain_for(int64_t per_item) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(per_item, 1)); }
 
 }  // namespace
 
