@@ -29,7 +29,10 @@ but does all arithmetic in fp32:
                        prefill tiles use a flash-style loop; on a CPU
                        with AVX512-BF16 both run on bf16 pairs (csrc/
                        attention_bf16.cpp, attention_decode_bf16.cpp:
-                       P rounded to bf16 for P V)
+                       P rounded to bf16 for P V); with AMX tiles a
+                       decode token's scores run on the tiles and P V
+                       in fp32 (csrc/attention_decode_amx.cpp), the
+                       work split between threads by positions read
     write_kv         C++: one copy per token, negative slots skipped  identical
     rms_norm,        C++ (csrc/norm.cpp): one pass each instead of a   same roundings; the mean
       add_rms_norm,    dozen small torch ops per call; bf16 on 16       square's summation order
@@ -74,10 +77,10 @@ from .onednn import prepares as prepares_weights  # noqa: F401
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("module.cpp", "linear.cpp", "linear_bf16.cpp", "linear_amx.cpp", "attention.cpp", "attention_bf16.cpp", "attention_decode.cpp",
-           "attention_decode_bf16.cpp", "elementwise_avx512.cpp",
+           "attention_decode_bf16.cpp", "attention_decode_amx.cpp", "elementwise_avx512.cpp",
            "norm.cpp",
            "activation.cpp", "greedy.cpp", "peak.cpp")
-HEADERS = ("vec.h", "vec512.h", "elementwise.h", "attention.h")
+HEADERS = ("vec.h", "vec512.h", "elementwise.h", "attention.h", "amx.h")
 # -fopenmp: at::parallel_for is a header template; without it the kernels would run on one thread
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 # From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).
@@ -183,6 +186,18 @@ def amx() -> bool:
     return "amx_bf16" in cpu_features.cpu_flags()
 
 
+def amx_tiles() -> bool:
+    """Can the cpu set's own AMX kernels run here (csrc/linear_amx.cpp, csrc/attention_decode_amx.cpp):
+    a CPU with AMX bf16 tiles and AVX512-BF16 that no ``QWEN_NPU_CPU_ISA`` cap hides, a build that
+    has them, and the tile state granted by Linux?"""
+    if not (amx() and cpu_features.avx512_bf16()):
+        return False
+    try:
+        return bool(ops().has_amx_linear())
+    except build.KernelBuildError:           # no build here: the set is not used at all
+        return False
+
+
 def torch_rows() -> int:
     """From how many x rows on bf16 products go to torch's (oneDNN's) product on this CPU: with
     AMX tiles from ``NATIVE_ROWS`` (they beat every vector kernel from a few rows), with only the
@@ -234,7 +249,7 @@ def _amx_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if not (0 < rows <= AMX_ROWS and x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] == k
             and amx_agrees(weight)):
         return None
-    y = ops().linear_amx(x.reshape(rows, k), torch.ops.mkldnn.data_ptr(weight), n)
+    y = ops().linear_amx(x.reshape(rows, k), weight._amx_agrees[2], n)
     return None if y is None else y.view(*x.shape[:-1], n)
 
 
@@ -247,19 +262,19 @@ def amx_agrees(weight: torch.Tensor) -> bool:
     The kernel assumes oneDNN's blocked layout and sums K in order, as oneDNN does unless it splits
     the sum across threads (it may on hosts with many cores). So on a weight's first product at a
     thread count, both multiply random rows (``AGREEMENT_ROWS``) and must agree bit for bit; the
-    answer is kept on the weight, and where it is no, oneDNN multiplies that weight."""
+    answer is kept on the weight as (threads, answer, the address of the reordered bytes)."""
     threads = torch.get_num_threads()
     known = getattr(weight, "_amx_agrees", None)
     if known is None or known[0] != threads:
         n, k = weight.shape
-        ok = (weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and amx()
-              and cpu_features.avx512_bf16() and bool(ops().has_amx_linear()))
+        address = torch.ops.mkldnn.data_ptr(weight)
+        ok = weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and amx_tiles()
         gen = torch.Generator().manual_seed(0)
         for rows in AGREEMENT_ROWS if ok else ():
             x = torch.randn(rows, k, generator=gen).bfloat16()
-            y = ops().linear_amx(x, torch.ops.mkldnn.data_ptr(weight), n)
+            y = ops().linear_amx(x, address, n)
             ok = ok and y is not None and torch.equal(y, onednn.linear(x, weight))
-        known = (threads, ok)
+        known = (threads, ok, address)
         weight._amx_agrees = known
     return known[1]
 
@@ -275,10 +290,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """As ``reference.paged_attention`` (decode and prefill), computed in fp32 — except, on a CPU
     with AMX tiles, the bf16 prefill rows of ``SDPA_ROWS`` tokens or more: torch's
     ``scaled_dot_product_attention`` on the row's gathered K/V (bf16 products on the tiles, fp32
-    softmax; several times faster, within the bf16 tolerance of the fp32 loop)."""
+    softmax; several times faster, within the bf16 tolerance of the fp32 loop). The C++ kernel's
+    decode tokens take the tiles for their scores where ``amx_tiles()`` says they can."""
     if meta.is_decode or query.dtype != torch.bfloat16 or not amx():
         return ops().paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, float(scale), bf16_dot())
+                                     meta.query_start_loc, float(scale), bf16_dot(), amx=amx_tiles())
     split = _last_split
     if split is None or split[0] is not meta:            # once per step: every layer shares the metadata
         split = _split_rows(meta)
@@ -288,7 +304,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if split[2] is not None:     # the rest (decode rows of a mixed step, short chunks) in one fp32 call
         tokens, tables, seq_lens, starts = split[2]
         out[tokens] = ops().paged_attention(query[tokens], key_cache, value_cache, tables, seq_lens, starts,
-                                            float(scale), bf16_dot())
+                                            float(scale), bf16_dot(), amx=amx_tiles())
     return out
 
 

@@ -8,11 +8,14 @@
 //                         with the accumulators in registers; one item takes all the token's
 //                         KV heads (or a share of them when rows are few), so the context
 //                         streams through memory once, in order (attention_decode.cpp; with
-//                         bf16_dot, on bf16 pairs: attention_decode_bf16.cpp).
+//                         bf16_dot, on bf16 pairs: attention_decode_bf16.cpp; with amx, the
+//                         scores on AMX tiles: attention_decode_amx.cpp).
 //   several tokens        flash-style: the G heads of the KV head times up to TILE_TOKENS tokens
 //   (prefill chunks)      form MQ <= 16 query rows; per chunk of CHUNK positions, K is
 //                         transposed into [D][16] blocks and S = Q K^T, online softmax, and
 //                         acc += P V all run on the tile16 register tile.
+//
+// The items are split between the threads as runs of about equal work, not of equal count.
 #include "attention.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -130,10 +133,27 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
       for (int64_t kvh = 0; kvh < g.KV; ++kvh)
         items.push_back({r, t0, std::min<int64_t>(t0 + tile, qsl[r + 1]), kvh, kvh + 1});
   }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  // Each thread takes a run of consecutive items of about equal work (positions read times the
+  // query rows and KV heads that read them): the rows of a step differ in context, and an even
+  // split by count would leave one core waiting on the longer ones.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  std::vector<int64_t> first(threads + 1, static_cast<int64_t>(items.size()));
+  {
+    std::vector<double> done(items.size() + 1, 0.0);
+    for (size_t i = 0; i < items.size(); ++i) {
+      const Item& it = items[i];
+      const double n = sl[it.row] - (qsl[it.row + 1] - it.t1);     // positions the item's last token sees
+      done[i + 1] = done[i] + n * static_cast<double>((it.t1 - it.t0) * (it.kvh1 - it.kvh0));
+    }
+    for (int64_t t = 0, i = 0; t < threads; ++t) {
+      while (i < static_cast<int64_t>(items.size()) && done[i] < done.back() * t / threads) ++i;
+      first[t] = i;
+    }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> work;
     std::vector<int64_t> pos;         // element offset of each position's K/V (head 0) in the caches
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i = first[t0]; i < first[t1]; ++i) {
       const Item& it = items[i];
       const int32_t* table = bt + it.row * g.MB;
       const int64_t first_visible = sl[it.row] - (qsl[it.row + 1] - it.t0) + 1;
@@ -145,7 +165,9 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
       }
       const int64_t off = it.t0 * g.H * g.D + it.kvh0 * g.G * g.D;
       if (it.t1 - it.t0 == 1 && !(shape.invariant && blocked)) {
-        if (!(shape.bf16_dot && attend_token_bf16(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1,
+        if (!(shape.amx && attend_token_amx(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1, scale, g,
+                                            o + off)) &&
+            !(shape.bf16_dot && attend_token_bf16(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1,
                                                   scale, g, o + off)))
           attend_token(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1, scale, g, o + off, work);
       } else if (!(shape.bf16_dot && attend_tile_bf16(q + off, kc, vc, pos.data(), it.t1 - it.t0, first_visible,

@@ -36,16 +36,6 @@ constexpr int64_t PV_CHUNK = 32;      // positions per pass of the P V accumulat
 #endif
 constexpr int64_t PF_AHEAD = QN_PF_AHEAD;      // positions ahead of the reads that are prefetched
 
-// Prefetch positions [p0, p1) of KV heads [kvh0, kvh1) (adjacent in the cache) into L2.
-inline void prefetch_rows(const c10::BFloat16* cache, const int64_t* pos, int64_t p0, int64_t p1, int64_t kvh0,
-                          int64_t kvh1, const Geometry& g) {
-  const int64_t bytes = (kvh1 - kvh0) * g.D * 2;
-  for (int64_t p = p0; p < p1; ++p) {
-    const char* row = reinterpret_cast<const char*>(kv_row(cache, pos, p, kvh0, g));
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
-  }
-}
-
 QN_AVX512_BF16 inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }

@@ -13,34 +13,20 @@
 // for a weight where they differ). The caller passes the address of a weight reordered so.
 // Compiled with function attributes; called only where the CPU has AMX bf16 and Linux granted
 // the tile state.
+#include "amx.h"
 #include "vec.h"
 #include <ATen/Parallel.h>
 #include <cstring>
 
-#if defined(__linux__) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
-                           (defined(__clang__) && __clang_major__ >= 12))
-#define QN_LINEAR_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 namespace qwen_npu_cpu {
 
-#ifdef QN_LINEAR_AMX
+#ifdef QN_AMX_TILES
 namespace {
-
-#define QN_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
-struct TileConfig {                 // the AMX palette-1 layout ldtilecfg reads
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Output blocks [b0, b1) of 32 columns: y[:, 32 b .. 32 b + 32) for M <= 16 rows of x.
 QN_AMX void blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int64_t b0, int64_t b1,
                    c10::BFloat16* y) {
-  TileConfig cfg{};
+  amx::TileConfig cfg{};
   cfg.palette = 1;
   const auto m = static_cast<uint8_t>(M);
   cfg.rows[0] = cfg.rows[1] = m; cfg.colsb[0] = cfg.colsb[1] = 64;     // C: M rows x 16 fp32
@@ -71,13 +57,7 @@ QN_AMX void blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, i
 
 }  // namespace
 
-bool linear_amx_available() {
-  static const bool granted = [] {                 // Linux hands out the tile state only on request
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return granted;
-}
+bool linear_amx_available() { return amx::granted(); }
 
 bool linear_amx_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, c10::BFloat16* y) {
   if (M < 1 || M > 16 || K % 32 != 0 || N % 32 != 0 || !linear_amx_available()) return false;

@@ -51,7 +51,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                              double scale, bool bf16_dot, bool invariant) {
+                              double scale, bool bf16_dot, bool invariant, bool amx) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "cpu paged_attention: query [T, H, D] and caches "
               "[blocks, block_size, KV, D] expected, got ", query.sizes(), " and ", key_cache.sizes());
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
@@ -64,7 +64,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   auto qsl = query_start_loc.to(at::kInt).contiguous();
   auto out = torch::empty_like(q);
   const AttentionShape shape{sl.size(0), q.size(1), key_cache.size(2), q.size(2), key_cache.size(1), bt.size(1),
-                             bf16_dot, invariant};
+                             bf16_dot, amx, invariant};
   const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kBFloat16)
     attention_kernel(q.data_ptr<c10::BFloat16>(), key_cache.data_ptr<c10::BFloat16>(),
@@ -266,9 +266,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak_has_amx", &qwen_npu_cpu::peak_has_amx, "was the AMX peak loop compiled in, and may it use the tiles?");
   m.def("paged_attention", &qwen_npu_cpu::paged_attention,
         "causal paged attention, fp32 arithmetic (bf16_dot: prefill tiles and decode tokens on AVX512-BF16 dot products; "
-        "invariant: decode tokens through the tiles too)",
+        "invariant: decode tokens through the tiles too; amx: decode tokens of bf16 caches with the scores on AMX tiles)",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start_loc"), py::arg("scale"), py::arg("bf16_dot") = false, py::arg("invariant") = false);
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("bf16_dot") = false, py::arg("invariant") = false,
+        py::arg("amx") = false);
   m.def("write_kv", &qwen_npu_cpu::write_kv, "scatter K/V into the caches by slot, skipping negative slots");
   m.def("has_avx512_elementwise", &qwen_npu_cpu::avx512_elementwise_available,
         "were the 16-lane bf16 norms and activation compiled in?");

@@ -13,6 +13,7 @@
 // on Zen 3 and on recent Xeons), so the loop runs at the units' throughput. The AVX-512 kinds are
 // compiled with a function attribute (the extension builds with AVX2 flags) and refused where the
 // CPU lacks the instructions (for AMX: where Linux does not grant the tiles).
+#include "amx.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <chrono>
@@ -22,12 +23,6 @@
 
 #if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 11)
 #define QN_PEAK_AVX512 1
-#endif
-#if defined(__linux__) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
-                           (defined(__clang__) && __clang_major__ >= 12))
-#define QN_PEAK_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace qwen_npu_cpu {
@@ -71,20 +66,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) float run_bf16(int64_t it
 }
 #endif
 
-#ifdef QN_PEAK_AMX
-struct TileConfig {                 // the AMX palette-1 layout ldtilecfg reads
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool amx_permitted() {              // Linux hands out the tile state only on request
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
+#ifdef QN_AMX_TILES
 __attribute__((target("amx-tile,amx-bf16"))) float run_amx(int64_t iters) {
-  TileConfig cfg{};
+  amx::TileConfig cfg{};
   cfg.palette = 1;
   for (int t = 0; t < 6; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }    // 16 rows of 64 bytes
   _tile_loadconfig(&cfg);
@@ -118,8 +102,8 @@ __attribute__((target("amx-tile,amx-bf16"))) float run_amx(int64_t iters) {
 }  // namespace
 
 bool peak_has_amx() {
-#ifdef QN_PEAK_AMX
-  return amx_permitted();
+#ifdef QN_AMX_TILES
+  return amx::granted();
 #else
   return false;
 #endif
@@ -158,7 +142,7 @@ std::tuple<double, double> fma_peak(int64_t kind, int64_t iters) {
       if (kind == 1) sums[t] = run_avx512(iters);
       if (kind == 2) sums[t] = run_bf16(iters);
 #endif
-#ifdef QN_PEAK_AMX
+#ifdef QN_AMX_TILES
       if (kind == 3) sums[t] = run_amx(iters);
 #endif
     }

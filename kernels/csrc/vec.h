@@ -161,6 +161,7 @@ std::tuple<double, double> fma_peak(int64_t kind, int64_t iters);
 struct AttentionShape {
   int64_t rows, heads, kv_heads, head_dim, block_size, max_blocks;
   bool bf16_dot = false;      // prefill tiles of bf16 caches on AVX512-BF16 (attention_bf16.cpp)
+  bool amx = false;           // decode tokens of bf16 caches with the scores on AMX tiles (attention_decode_amx.cpp)
   bool invariant = false;     // every token through the tile loop, decode tokens too (batch invariance)
 };
 template <typename S>

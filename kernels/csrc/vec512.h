@@ -1,5 +1,5 @@
 // AVX-512 building blocks shared by the kernels that run on CPUs with AVX-512 (attention_bf16.cpp,
-// attention_decode_bf16.cpp, elementwise_avx512.cpp): 16-lane bf16 loads and stores with the
+// attention_decode_bf16.cpp, attention_decode_amx.cpp, elementwise_avx512.cpp): 16-lane bf16 loads and stores with the
 // roundings of c10::BFloat16, and vec.h's exp. Every function carries its target attribute, so
 // these files build with the AVX2 flags and are called only where the CPU has the instructions
 // (kernels/cpu.py asks for them); QN_BF16_DOT (vec.h) says whether the compiler takes them.

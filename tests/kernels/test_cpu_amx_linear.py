@@ -105,6 +105,6 @@ def test_a_weight_the_kernel_misreads_stays_with_onednn(monkeypatch):
     w = reordered(128, 64, seed=5)
     x = torch.randn(4, 64).bfloat16()
     assert torch.equal(cpu.linear(x, w), onednn.linear(x, w))
-    assert w._amx_agrees == (torch.get_num_threads(), False)
+    assert w._amx_agrees[:2] == (torch.get_num_threads(), False)
     checked = len(sent)
     assert torch.equal(cpu.linear(x, w), onednn.linear(x, w)) and len(sent) == checked

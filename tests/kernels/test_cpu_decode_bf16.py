@@ -20,9 +20,9 @@ CONTEXTS = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 64, 100, 257]
 ROWS = [(n - 1, 1) for n in CONTEXTS]
 
 
-def attend(meta, query, kc, vc, scale, bf16_dot):
+def attend(meta, query, kc, vc, scale, bf16_dot, amx=False):
     return cpu.ops().paged_attention(query, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     scale, bf16_dot)
+                                     scale, bf16_dot, amx=amx)
 
 
 @pytest.mark.parametrize("kv_heads, gqa, head_dim", [(2, 2, 128), (1, 1, 32), (2, 5, 64), (1, 3, 256),
@@ -40,8 +40,9 @@ def test_decode_tokens_match_dense_and_the_fp32_kernel(kv_heads, gqa, head_dim, 
     torch.testing.assert_close(slow.double(), want, **TOL[torch.bfloat16])
     torch.testing.assert_close(fast.float(), slow.float(), atol=8e-3, rtol=8e-3)   # P in bf16: the one difference
     assert torch.equal(fast, slow) == (head_dim % 32 != 0)      # the bf16 kernel ran exactly where it can
-    # the session's entry point takes the same path on this CPU
-    assert torch.equal(cpu.paged_attention(query, kc, vc, meta, scale), fast)
+    # the session's entry point takes this CPU's path (on one with AMX tiles: csrc/attention_decode_amx.cpp)
+    assert torch.equal(cpu.paged_attention(query, kc, vc, meta, scale),
+                       attend(meta, query, kc, vc, scale, True, amx=cpu.amx_tiles()))
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), 1e30])
