@@ -77,7 +77,7 @@ from .onednn import prepares as prepares_weights  # noqa: F401
 NAME = "cpu"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("module.cpp", "linear.cpp", "linear_bf16.cpp", "linear_amx.cpp", "attention.cpp", "attention_bf16.cpp", "attention_decode.cpp",
-           "attention_decode_bf16.cpp", "attention_decode_amx.cpp", "elementwise_avx512.cpp",
+           "attention_decode_bf16.cpp", "attention_decode_amx.cpp", "attention_amx.cpp", "elementwise_avx512.cpp",
            "norm.cpp",
            "activation.cpp", "greedy.cpp", "peak.cpp")
 HEADERS = ("vec.h", "vec512.h", "elementwise.h", "attention.h", "amx.h")
@@ -287,12 +287,13 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """As ``reference.paged_attention`` (decode and prefill), computed in fp32 — except, on a CPU
-    with AMX tiles, the bf16 prefill rows of ``SDPA_ROWS`` tokens or more: torch's
-    ``scaled_dot_product_attention`` on the row's gathered K/V (bf16 products on the tiles, fp32
-    softmax; several times faster, within the bf16 tolerance of the fp32 loop). The C++ kernel's
-    decode tokens take the tiles for their scores where ``amx_tiles()`` says they can."""
-    if meta.is_decode or query.dtype != torch.bfloat16 or not amx():
+    """As ``reference.paged_attention`` (decode and prefill), computed in fp32 except where the
+    CPU has native bf16 (the products in bf16, exact in fp32, within the bf16 tolerance of the
+    fp32 loop). Where ``amx_tiles()`` says the C++ kernel can use AMX tiles, it runs every bf16
+    row on them (csrc/attention_amx.cpp, csrc/attention_decode_amx.cpp); on a CPU whose tiles it
+    cannot use, the bf16 prefill rows of ``SDPA_ROWS`` tokens or more go to torch's
+    ``scaled_dot_product_attention`` on the row's gathered K/V instead."""
+    if meta.is_decode or query.dtype != torch.bfloat16 or not amx() or amx_tiles():
         return ops().paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, float(scale), bf16_dot(), amx=amx_tiles())
     split = _last_split

@@ -119,6 +119,8 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
   const int64_t want = 2 * at::get_num_threads();
   const int64_t splits = std::clamp<int64_t>((want + std::max<int64_t>(shape.rows, 1) - 1) / std::max<int64_t>(shape.rows, 1),
                                              1, g.KV);
+  // With amx, a row of several tokens is one item per KV head, all its tokens (attention_amx.cpp).
+  const bool amx_rows = shape.amx && !shape.invariant && amx_rows_take(q, g);
   std::vector<Item> items;
   // Invariant: a decode token is a tile of one, so that a position meets one computation in
   // every kind of step. A query row's sums in a tile are its own (the other rows of the tile only
@@ -127,6 +129,10 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
     if (qsl[r + 1] - qsl[r] == 1 && !(shape.invariant && blocked)) {
       for (int64_t s = 0; s < splits; ++s)
         items.push_back({r, qsl[r], qsl[r] + 1, g.KV * s / splits, g.KV * (s + 1) / splits});
+      continue;
+    }
+    if (amx_rows) {
+      for (int64_t kvh = 0; kvh < g.KV; ++kvh) items.push_back({r, qsl[r], qsl[r + 1], kvh, kvh + 1});
       continue;
     }
     for (int64_t t0 = qsl[r]; t0 < qsl[r + 1]; t0 += tile)
@@ -170,6 +176,8 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
             !(shape.bf16_dot && attend_token_bf16(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1,
                                                   scale, g, o + off)))
           attend_token(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1, scale, g, o + off, work);
+      } else if (amx_rows) {
+        attend_row_amx(q + off, kc, vc, pos.data(), it.t1 - it.t0, first_visible, it.kvh0, scale, g, o + off);
       } else if (!(shape.bf16_dot && attend_tile_bf16(q + off, kc, vc, pos.data(), it.t1 - it.t0, first_visible,
                                                       it.kvh0, scale, g, o + off))) {
         attend_tile(q + off, kc, vc, pos.data(), it.t1 - it.t0, first_visible, it.kvh0, scale, g, o + off, work);

@@ -47,6 +47,14 @@ bool attend_token_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c1
 bool attend_token_amx(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* pos,
                       int64_t n, int64_t kvh0, int64_t kvh1, float scale, const Geometry& g, c10::BFloat16* out);
 
+// Every token of one row against KV head kvh on AMX tiles (attention_amx.cpp): q and out point at
+// the first token's first head of the KV head, token i seeing positions [0, first_visible + i).
+// Call it only where ``amx_rows_take`` says it can (the build, the process, the shape).
+bool amx_rows_take(const c10::BFloat16*, const Geometry& g);
+void attend_row_amx(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* pos,
+                    int64_t T, int64_t first_visible, int64_t kvh, float scale, const Geometry& g,
+                    c10::BFloat16* out);
+
 // One prefill tile with native bf16 dot products (attention_bf16.cpp); false, and nothing
 // written, where the build or the shape cannot take it (the fp32 tile runs instead).
 bool attend_tile_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* pos,
@@ -62,6 +70,9 @@ inline bool attend_token_amx(const float*, const float*, const float*, const int
                              float, const Geometry&, float*) {
   return false;
 }
+inline bool amx_rows_take(const float*, const Geometry&) { return false; }
+inline void attend_row_amx(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                           float, const Geometry&, float*) {}
 inline bool attend_tile_bf16(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
                              float, const Geometry&, float*) {
   return false;

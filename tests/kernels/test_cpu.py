@@ -150,11 +150,12 @@ def sdpa_length(done: int, q: int) -> int:
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
 def test_bf16_prefill_rows_through_sdpa_match_dense(monkeypatch, amx, block_size):
-    """With AMX tiles (forced here, so every CPU runs the path) bf16 rows of ``SDPA_ROWS`` tokens
-    or more go through torch's SDPA — from position 0 (causal; a long one zero-padded at its end,
-    whose poisoned tail slots must not reach it) and past a cached prefix (masked) — and the shorter
-    rows and decode rows through the C++ loop, in one step."""
+    """On a CPU with AMX tiles the C++ kernels cannot use (forced here, so every CPU runs the path)
+    bf16 rows of ``SDPA_ROWS`` tokens or more go through torch's SDPA — from position 0 (causal; a
+    long one zero-padded at its end, whose poisoned tail slots must not reach it) and past a cached
+    prefix (masked) — and the shorter rows and decode rows through the C++ loop, in one step."""
     monkeypatch.setattr(cpu, "amx", lambda: amx)
+    monkeypatch.setattr(cpu, "amx_tiles", lambda: False)
     meta, query, kc, vc, dense, tables = build_case(SDPA_ROWS_CASE, block_size, 2, 2, 32, torch.bfloat16, seed=5)
     calls = []
     real = F.scaled_dot_product_attention
