@@ -126,13 +126,14 @@ QN_AMX void group(const c10::BFloat16* q, int64_t r0, int64_t rows, int64_t firs
   alignas(64) float acc[GROUP * MAX_D];              // [row][D] fp32 output accumulators
   alignas(64) float s[4][GROUP * 16];                // the block's score tiles
   alignas(64) uint16_t pa[2][GROUP * 32];            // the block's P tiles (bf16)
-  float mx[GROUP], sum[GROUP];
+  alignas(64) float sum[GROUP * 16];                 // per row, 16 lanes of partial sums
+  float mx[GROUP];
   int64_t lim[GROUP];
   std::memset(qa, 0, sizeof(qa));
   std::memset(acc, 0, GROUP * D * sizeof(float));
   for (int64_t l = 0; l < GROUP; ++l) {
     mx[l] = -INFINITY;
-    sum[l] = 0.0f;
+    _mm512_store_ps(sum + l * 16, _mm512_setzero_ps());
     lim[l] = first_visible;                          // rows past the group: position 0 only (never stored)
     if (l < rows) {
       const int64_t r = r0 + l;
@@ -161,6 +162,11 @@ QN_AMX void group(const c10::BFloat16* q, int64_t r0, int64_t rows, int64_t firs
     _tile_stored(0, s[0], 64); _tile_stored(1, s[1], 64); _tile_stored(2, s[2], 64); _tile_stored(3, s[3], 64);
     // online softmax per row
     for (int64_t l = 0; l < GROUP; ++l) {
+      if (lim[l] <= b0) {                            // the whole block is past this row's context
+        std::memset(pa[0] + l * 32, 0, 64);
+        std::memset(pa[1] + l * 32, 0, 64);
+        continue;
+      }
       __m512 v[4];
       __m512 bm = _mm512_set1_ps(-INFINITY);
       const bool whole = b0 + BLOCK <= lim[l];      // every position of the block seen
@@ -175,7 +181,7 @@ QN_AMX void group(const c10::BFloat16* q, int64_t r0, int64_t rows, int64_t firs
       const float m = std::max(mx[l], _mm512_reduce_max_ps(bm));
       if (m > mx[l]) {                               // the row's max rose: rescale what it has so far
         const __m512 alpha = _mm512_set1_ps(std::exp(mx[l] - m));
-        sum[l] *= std::exp(mx[l] - m);
+        _mm512_store_ps(sum + l * 16, _mm512_mul_ps(alpha, _mm512_load_ps(sum + l * 16)));
         for (int64_t d = 0; d < D; d += 16)
           _mm512_storeu_ps(acc + l * D + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(acc + l * D + d)));
         mx[l] = m;
@@ -183,7 +189,8 @@ QN_AMX void group(const c10::BFloat16* q, int64_t r0, int64_t rows, int64_t firs
       const __m512 vm = _mm512_set1_ps(mx[l]);
       __m512 e[4];
       for (int j = 0; j < 4; ++j) e[j] = exp16(_mm512_sub_ps(v[j], vm));
-      sum[l] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
+      _mm512_store_ps(sum + l * 16, _mm512_add_ps(_mm512_load_ps(sum + l * 16),
+                                                  _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]))));
       _mm512_storeu_si512(pa[0] + l * 32, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
       _mm512_storeu_si512(pa[1] + l * 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
     }
@@ -207,7 +214,7 @@ QN_AMX void group(const c10::BFloat16* q, int64_t r0, int64_t rows, int64_t firs
   }
   for (int64_t l = 0; l < rows; ++l) {
     const int64_t r = r0 + l;
-    const float inv = 1.0f / sum[l];
+    const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(sum + l * 16));
     c10::BFloat16* o = out + (r / G) * HD + (r % G) * D;
     for (int64_t d = 0; d < D; ++d) o[d] = static_cast<c10::BFloat16>(acc[l * D + d] * inv);
   }
