@@ -29,10 +29,11 @@ but does all arithmetic in fp32:
                        prefill tiles use a flash-style loop; on a CPU
                        with AVX512-BF16 both run on bf16 pairs (csrc/
                        attention_bf16.cpp, attention_decode_bf16.cpp:
-                       P rounded to bf16 for P V); with AMX tiles a
-                       decode token's scores run on the tiles and P V
-                       in fp32 (csrc/attention_decode_amx.cpp), the
-                       work split between threads by positions read
+                       P rounded to bf16 for P V); with AMX tiles
+                       (``amx_tiles()``) a prefill row's products and a
+                       decode token's scores run on the tiles (csrc/
+                       attention_amx.cpp, attention_decode_amx.cpp);
+                       the work split between threads by positions read
     write_kv         C++: one copy per token, negative slots skipped  identical
     rms_norm,        C++ (csrc/norm.cpp): one pass each instead of a   same roundings; the mean
       add_rms_norm,    dozen small torch ops per call; bf16 on 16       square's summation order
@@ -94,7 +95,8 @@ NATIVE_ROWS = 6
 # Below this many x rows, a CPU with AVX512-BF16 and no AMX runs csrc/linear_bf16.cpp (bf16 dot products
 # straight from bf16 x and weights), from it on torch's bf16 product: the crossing on the 0.6B shapes.
 BF16_DOT_ROWS = 20
-# From this many tokens on, a bf16 prefill row on a CPU with AMX tiles runs torch's SDPA (paged_attention).
+# From this many tokens on, a bf16 prefill row on a CPU with AMX tiles that the C++ kernels cannot use
+# (``amx_tiles()`` false: a build or a process without them) runs torch's SDPA (paged_attention).
 SDPA_ROWS = 16
 # A causal row longer than SDPA_PAD_FROM tokens is zero-padded at its end to a multiple of SDPA_PAD
 # for SDPA, which is up to twice as fast on such lengths (docs/benchmarks.md); the padding is
