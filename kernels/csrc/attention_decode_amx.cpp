@@ -105,7 +105,11 @@ QN_AMX void token(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BF
   total.resize(NH);
   tile.resize(16 * MAX_D);
   // the query heads of each KV head as B tiles: [KV head][chunk of 32 values of D][pair][head]
-  qb.assign(NK * chunks * 256, 0);
+  thread_local int64_t qb_heads = -1;               // the G whose zero columns qb holds
+  if (qb_heads != G || static_cast<int64_t>(qb.size()) < NK * chunks * 256) {
+    qb.assign(NK * chunks * 256, 0);                 // columns past G stay zero from here on
+    qb_heads = G;
+  }
   for (int64_t k = 0; k < NK; ++k)
     for (int64_t h = 0; h < G; ++h) {
       const auto* pairs = reinterpret_cast<const uint32_t*>(q + (k * G + h) * D);
