@@ -188,8 +188,9 @@ def amx() -> bool:
     return "amx_bf16" in cpu_features.cpu_flags()
 
 
+@functools.lru_cache(maxsize=1)
 def amx_tiles() -> bool:
-    """Can the cpu set's own AMX kernels run here (csrc/linear_amx.cpp, csrc/attention_decode_amx.cpp):
+    """Can the cpu set's own AMX kernels run here (csrc/linear_amx.cpp, csrc/attention*_amx.cpp):
     a CPU with AMX bf16 tiles and AVX512-BF16 that no ``QWEN_NPU_CPU_ISA`` cap hides, a build that
     has them, and the tile state granted by Linux?"""
     if not (amx() and cpu_features.avx512_bf16()):

@@ -131,8 +131,9 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
         items.push_back({r, qsl[r], qsl[r] + 1, g.KV * s / splits, g.KV * (s + 1) / splits});
       continue;
     }
-    if (amx_rows) {
-      for (int64_t kvh = 0; kvh < g.KV; ++kvh) items.push_back({r, qsl[r], qsl[r + 1], kvh, kvh + 1});
+    if (amx_rows) {                    // a row of no tokens this step reads nothing
+      if (qsl[r + 1] > qsl[r])
+        for (int64_t kvh = 0; kvh < g.KV; ++kvh) items.push_back({r, qsl[r], qsl[r + 1], kvh, kvh + 1});
       continue;
     }
     for (int64_t t0 = qsl[r]; t0 < qsl[r + 1]; t0 += tile)

@@ -91,3 +91,21 @@ def test_a_nan_key_reaches_exactly_the_tokens_that_see_it():
     heads = slice(2, 4)                                         # the query heads of KV head 1
     assert out[40:100, heads].isnan().all() and not out[:40, heads].isnan().any()
     assert not out[:100, :2].isnan().any() and not out[100:].isnan().any()
+
+
+def test_a_row_of_no_tokens_reads_nothing():
+    """A row with no tokens this step (its query_start_loc repeats) and only padding in its block
+    table: the tiles make no work of it, as the other paths do (its table would point before the
+    caches)."""
+    gen = torch.Generator().manual_seed(1)
+    kc = torch.randn(64, 64, 8, 256, generator=gen).bfloat16()    # 16 MiB: an allocation of its own
+    vc = torch.randn(64, 64, 8, 256, generator=gen).bfloat16()
+    query = torch.randn(20, 8, 256, generator=gen).bfloat16()
+    tables = torch.full((2, 60), -1, dtype=torch.int32)
+    tables[0, :2] = torch.tensor([3, 7])
+    seq_lens = torch.tensor([120, 3000], dtype=torch.int32)
+    starts = torch.tensor([0, 20, 20], dtype=torch.int32)
+    ops = cpu.ops()
+    tiles = ops.paged_attention(query, kc, vc, tables, seq_lens, starts, 0.1, True, amx=True)
+    other = ops.paged_attention(query, kc, vc, tables, seq_lens, starts, 0.1, True, amx=False)
+    torch.testing.assert_close(tiles.float(), other.float(), atol=8e-3, rtol=8e-3)
