@@ -22,6 +22,17 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
+// Tiles 0 .. count - 1 as 16 rows of 64 bytes each (palette 1), for the calling thread.
+QN_AMX inline void load_full_tiles(int count) {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < count; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
 inline bool granted() {
   static const bool yes = [] {
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;

@@ -119,7 +119,7 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
   const int64_t want = 2 * at::get_num_threads();
   const int64_t splits = std::clamp<int64_t>((want + std::max<int64_t>(shape.rows, 1) - 1) / std::max<int64_t>(shape.rows, 1),
                                              1, g.KV);
-  // With amx, a row of several tokens is one item per KV head, all its tokens (attention_amx.cpp).
+  // With amx, a row of several tokens is one tile of all its tokens per KV head (attention_amx.cpp).
   const bool amx_rows = shape.amx && !shape.invariant && amx_rows_take(q, g);
   std::vector<Item> items;
   // Invariant: a decode token is a tile of one, so that a position meets one computation in
@@ -131,14 +131,10 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
         items.push_back({r, qsl[r], qsl[r] + 1, g.KV * s / splits, g.KV * (s + 1) / splits});
       continue;
     }
-    if (amx_rows) {                    // a row of no tokens this step reads nothing
-      if (qsl[r + 1] > qsl[r])
-        for (int64_t kvh = 0; kvh < g.KV; ++kvh) items.push_back({r, qsl[r], qsl[r + 1], kvh, kvh + 1});
-      continue;
-    }
-    for (int64_t t0 = qsl[r]; t0 < qsl[r + 1]; t0 += tile)
+    const int64_t width = amx_rows ? std::max<int64_t>(1, qsl[r + 1] - qsl[r]) : tile;
+    for (int64_t t0 = qsl[r]; t0 < qsl[r + 1]; t0 += width)
       for (int64_t kvh = 0; kvh < g.KV; ++kvh)
-        items.push_back({r, t0, std::min<int64_t>(t0 + tile, qsl[r + 1]), kvh, kvh + 1});
+        items.push_back({r, t0, std::min<int64_t>(t0 + width, qsl[r + 1]), kvh, kvh + 1});
   }
   // Each thread takes a run of consecutive items of about equal work (positions read times the
   // query rows and KV heads that read them): the rows of a step differ in context, and an even

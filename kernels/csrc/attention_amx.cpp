@@ -90,18 +90,16 @@ QN_AVX512 void pack(const c10::BFloat16* kc, const c10::BFloat16* vc, const int6
       for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * 16, r[i]);
     }
   // V: per pair of positions and 32 values of D, the two rows interleaved into pairs
-  const __m512i lo_i = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_i = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
-                                        55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
   for (int64_t t = 0; t < padded; t += 2) {
     const uint16_t *a = row(vc, t), *b = row(vc, t + 1);
     uint32_t* dst = p.vv.data() + (t / 32) * dblocks * 256 + ((t % 32) / 2) * 16;
     for (int64_t c = 0; c < chunks; ++c) {
       const __m512i va = a != nullptr ? _mm512_loadu_si512(a + c * 32) : _mm512_setzero_si512();
       const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + c * 32) : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + (2 * c) * 256, _mm512_permutex2var_epi16(va, lo_i, vb));
-      _mm512_storeu_si512(dst + (2 * c + 1) * 256, _mm512_permutex2var_epi16(va, hi_i, vb));
+      __m512i lo, hi;
+      vec512::interleave_pairs(va, vb, lo, hi);
+      _mm512_storeu_si512(dst + (2 * c) * 256, lo);
+      _mm512_storeu_si512(dst + (2 * c + 1) * 256, hi);
     }
   }
 }
@@ -224,10 +222,7 @@ QN_AMX void row(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFlo
                 int64_t T, int64_t first_visible, int64_t kvh, float scale, const Geometry& g, c10::BFloat16* out) {
   thread_local Packed pk;
   pack(kc, vc, pos, first_visible + T - 1, kvh, g, pk);
-  amx::TileConfig cfg{};
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
+  amx::load_full_tiles(8);
   const int64_t rows = T * g.G;
   for (int64_t r0 = 0; r0 < rows; r0 += GROUP)
     group(q, r0, std::min(GROUP, rows - r0), first_visible, scale, g, pk, out);

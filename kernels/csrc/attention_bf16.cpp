@@ -115,13 +115,9 @@ QN_AVX512_BF16 void tile(const c10::BFloat16* q, const c10::BFloat16* kc, const 
   __m512 mx[MB], sum[MB];
   for (int b = 0; b < MB; ++b) mx[b] = _mm512_set1_ps(-INFINITY), sum[b] = _mm512_setzero_ps();
   // word j of a pair vector: j even from the first source's j / 2, j odd from the second's
-  alignas(64) int16_t lo_idx[32], hi_idx[32], pair_idx[32];
-  for (int j = 0; j < 32; ++j) {
-    lo_idx[j] = static_cast<int16_t>((j % 2 ? 32 : 0) + j / 2);
-    hi_idx[j] = static_cast<int16_t>((j % 2 ? 32 : 0) + 16 + j / 2);
-    pair_idx[j] = static_cast<int16_t>((j % 2 ? 16 : 0) + j / 2);
-  }
-  const __m512i lo_i = _mm512_load_si512(lo_idx), hi_i = _mm512_load_si512(hi_idx), pair_i = _mm512_load_si512(pair_idx);
+  alignas(64) int16_t pair_idx[32];
+  for (int j = 0; j < 32; ++j) pair_idx[j] = static_cast<int16_t>((j % 2 ? 16 : 0) + j / 2);
+  const __m512i pair_i = _mm512_load_si512(pair_idx);
   const uint32_t* krows[CHUNK];
   for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
     const int64_t cn = std::min(CHUNK, n - c0);
@@ -161,9 +157,10 @@ QN_AVX512_BF16 void tile(const c10::BFloat16* q, const c10::BFloat16* kc, const 
       const uint16_t* b = p + 1 < cn ? reinterpret_cast<const uint16_t*>(kv_row(vc, pos, c0 + p + 1, kvh, g))
                                      : reinterpret_cast<const uint16_t*>(zero.data());
       for (int64_t d = 0; d < D; d += 32) {
-        const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
-        _mm512_storeu_si512(vp.data() + p2 * D + d, _mm512_permutex2var_epi16(va, lo_i, vb));
-        _mm512_storeu_si512(vp.data() + p2 * D + d + 16, _mm512_permutex2var_epi16(va, hi_i, vb));
+        __m512i lo, hi;
+        vec512::interleave_pairs(_mm512_loadu_si512(a + d), _mm512_loadu_si512(b + d), lo, hi);
+        _mm512_storeu_si512(vp.data() + p2 * D + d, lo);
+        _mm512_storeu_si512(vp.data() + p2 * D + d + 16, hi);
       }
     }
     int64_t m = 0;

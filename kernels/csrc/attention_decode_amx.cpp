@@ -5,9 +5,9 @@
 //   scores    S^T = K Q^T per KV head: the A tile is 16 positions x 32 values of D straight from
 //             the cache (the positions of one block lie a fixed stride apart; positions that do
 //             not, and the last part-filled 16, are first copied into a zero-padded tile), the B
-//             tile the KV head's query heads as bf16 pairs along D (one column per head, the
-//             columns past G zero), summed over D / 32 tile products into one fp32 tile; times
-//             the scale.
+//             tile the KV head's query heads as bf16 pairs along D (one column per head: the B
+//             and C tiles are G columns wide), summed over D / 32 tile products into one fp32
+//             tile; times the scale.
 //   softmax   fp32 over the whole context, 16 lanes (vec.h's exp, step for step).
 //   P V       fp32: each V value widened exactly (the even element of a pair shifted up, the odd
 //             one masked), times the fp32 weight, summed in position order into accumulators
@@ -104,20 +104,18 @@ QN_AMX void token(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BF
   acc.resize(NH * D);
   total.resize(NH);
   tile.resize(16 * MAX_D);
-  // the query heads of each KV head as B tiles: [KV head][chunk of 32 values of D][pair][head]
-  thread_local int64_t qb_heads = -1;               // the G whose zero columns qb holds
-  if (qb_heads != G || static_cast<int64_t>(qb.size()) < NK * chunks * 256) {
-    qb.assign(NK * chunks * 256, 0);                 // columns past G stay zero from here on
-    qb_heads = G;
-  }
+  // the query heads of each KV head as B tiles of G columns: [KV head][chunk of 32 values of D][pair][head]
+  qb.resize(NK * chunks * 16 * G);
   for (int64_t k = 0; k < NK; ++k)
     for (int64_t h = 0; h < G; ++h) {
       const auto* pairs = reinterpret_cast<const uint32_t*>(q + (k * G + h) * D);
-      for (int64_t i = 0; i < D / 2; ++i) qb[(k * chunks + i / 16) * 256 + (i % 16) * 16 + h] = pairs[i];
+      for (int64_t i = 0; i < D / 2; ++i) qb[((k * chunks + i / 16) * 16 + i % 16) * G + h] = pairs[i];
     }
   amx::TileConfig cfg{};
   cfg.palette = 1;
-  for (int t = 0; t < 3; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }   // C, A, B: 16 rows of 64 bytes
+  for (int t = 0; t < 3; ++t) cfg.rows[t] = 16;
+  cfg.colsb[0] = cfg.colsb[2] = static_cast<uint16_t>(4 * G);     // C, B: G columns of fp32 / of bf16 pairs
+  cfg.colsb[1] = 64;                                               // A: 32 values of D
   _tile_loadconfig(&cfg);
   alignas(64) float st[16 * 16];                         // S^T of 16 positions: [position][head]
   const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -132,7 +130,7 @@ QN_AMX void token(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BF
       _tile_zero(0);
       for (int64_t c = 0; c < chunks; ++c) {
         _tile_loadd(1, a + c * 32, lda);
-        _tile_loadd(2, qb.data() + (k * chunks + c) * 256, 64);
+        _tile_loadd(2, qb.data() + (k * chunks + c) * 16 * G, 4 * G);
         _tile_dpbf16ps(0, 1, 2);
       }
       _tile_stored(0, st, 64);

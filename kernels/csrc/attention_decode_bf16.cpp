@@ -93,11 +93,6 @@ QN_AVX512_BF16 void weigh_block(const uint32_t* wp, int64_t ld_w, const c10::BFl
                                 int64_t p0, int64_t pairs, int64_t n, int64_t kvh, const Geometry& g,
                                 const uint16_t* zero, int64_t d0, float* out, bool accumulate) {
   const int nb = static_cast<int>(std::min<int64_t>(128, g.D - d0) / 16);   // 16 lanes of d each
-  // word j of a pair vector: j even from the first source's j / 2, j odd from the second's
-  const __m512i lo_i = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_i = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
-                                        55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
   __m512 acc[HEADS][8];
   for (int h = 0; h < HEADS; ++h)
     for (int j = 0; j < 8; ++j)
@@ -112,7 +107,8 @@ QN_AVX512_BF16 void weigh_block(const uint32_t* wp, int64_t ld_w, const c10::BFl
     for (int j = 0; j < 8; j += 2) {
       if (j >= nb) break;
       const __m512i va = _mm512_loadu_si512(a + j * 16), vb = _mm512_loadu_si512(b + j * 16);
-      const __m512i lo = _mm512_permutex2var_epi16(va, lo_i, vb), hi = _mm512_permutex2var_epi16(va, hi_i, vb);
+      __m512i lo, hi;
+      vec512::interleave_pairs(va, vb, lo, hi);
       for (int h = 0; h < HEADS; ++h) {
         acc[h][j] = dot(acc[h][j], w[h], lo);
         acc[h][j + 1] = dot(acc[h][j + 1], w[h], hi);

@@ -67,11 +67,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) float run_bf16(int64_t it
 #endif
 
 #ifdef QN_AMX_TILES
-__attribute__((target("amx-tile,amx-bf16"))) float run_amx(int64_t iters) {
-  amx::TileConfig cfg{};
-  cfg.palette = 1;
-  for (int t = 0; t < 6; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }    // 16 rows of 64 bytes
-  _tile_loadconfig(&cfg);
+QN_AMX float run_amx(int64_t iters) {
+  amx::load_full_tiles(6);
   alignas(64) uint16_t ab[16 * 32];
   for (int i = 0; i < 16 * 32; ++i) ab[i] = 0x3580;                      // 2^-20: no overflow
   alignas(64) float out[16 * 16];

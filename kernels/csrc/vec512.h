@@ -43,6 +43,17 @@ QN_AVX512 inline void store16(BF* p, __m512 v, __mmask16 m = 0xFFFF) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits16(v)));
 }
 
+// Two rows a, b of 32 bf16 as bf16 pairs (a[j], b[j]): lo the pairs of j in [0, 16), hi of [16, 32),
+// the layout of the dot-product and tile kernels' second operand.
+QN_AVX512 inline void interleave_pairs(__m512i a, __m512i b, __m512i& lo, __m512i& hi) {
+  const __m512i lo_i = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_i = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                        55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  lo = _mm512_permutex2var_epi16(a, lo_i, b);
+  hi = _mm512_permutex2var_epi16(a, hi_i, b);
+}
+
 // exp of x <= 0 on 16 lanes: vec.h's exp_neg step for step on its constants (the same value in
 // every lane); -inf -> 0, NaN -> NaN.
 QN_AVX512 inline __m512 exp16(__m512 x) {

@@ -45,28 +45,38 @@ def test_decode_tokens_match_dense_and_the_fp32_kernel(kv_heads, gqa, head_dim, 
                        attend(meta, query, kc, vc, scale, True, amx=cpu.amx_tiles()))
 
 
+# Both bf16 decode kernels of this CPU: on dot products, and where the C++ kernels can use AMX tiles,
+# with the scores on them (csrc/attention_decode_amx.cpp).
+KERNELS = [pytest.param(False, id="dot-products"),
+           pytest.param(True, id="tiles", marks=pytest.mark.skipif(not (cpu.available() and cpu.amx_tiles()),
+                                                                   reason="no AMX tiles for the C++ kernels"))]
+
+
+@pytest.mark.parametrize("amx", KERNELS)
+@pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), 1e30])
-def test_a_decode_token_reads_only_its_own_context(poison):
+def test_a_decode_token_reads_only_its_own_context(poison, block_size, amx):
     """Every slot outside a row's context (other rows' blocks, the tail of its last block) holds
     ``poison`` already (build_case); changing what other rows' blocks hold changes nothing either."""
-    meta, query, kc, vc, _, tables = build_case(ROWS, 16, 2, 2, 128, torch.bfloat16, seed=3, poison=poison)
-    base = attend(meta, query, kc, vc, 0.1, True)
+    meta, query, kc, vc, _, tables = build_case(ROWS, block_size, 2, 2, 128, torch.bfloat16, seed=3, poison=poison)
+    base = attend(meta, query, kc, vc, 0.1, True, amx=amx)
     assert torch.isfinite(base).all()
     for row, table in enumerate(tables):
         kp, vp = kc.clone(), vc.clone()
         others = [b for b in range(kc.shape[0]) if b not in table]
         kp[others], vp[others] = -poison, 0.5
-        assert torch.equal(attend(meta, query, kp, vp, 0.1, True)[row], base[row])
+        assert torch.equal(attend(meta, query, kp, vp, 0.1, True, amx=amx)[row], base[row])
 
 
+@pytest.mark.parametrize("amx", KERNELS)
 @pytest.mark.parametrize("target", ["key", "value"])
-def test_a_nan_in_the_context_reaches_exactly_the_heads_that_read_it(target):
+def test_a_nan_in_the_context_reaches_exactly_the_heads_that_read_it(target, amx):
     rows = [(99, 1), (40, 1)]
     meta, query, kc, vc, _, tables = build_case(rows, 16, 4, 2, 128, torch.bfloat16, seed=5)
     block, offset = divmod(57, 16)                     # position 57 of row 0, KV head 2
     cache = kc if target == "key" else vc
     cache[int(tables[0][block]), offset, 2] = float("nan")
-    out = attend(meta, query, kc, vc, 0.1, True).float()
+    out = attend(meta, query, kc, vc, 0.1, True, amx=amx).float()
     assert out[0, 4:6].isnan().all()                   # the query heads of KV head 2
     assert not out[0, :4].isnan().any() and not out[0, 6:].isnan().any()
     assert not out[1].isnan().any()
