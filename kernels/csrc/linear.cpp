@@ -12,9 +12,9 @@
 //                                 weights once: the decode and LM-head case, memory bound.
 //   many rows  (M >= panel_rows)  "panels": x is packed once into groups of 6 rows with the 6
 //                                 values of one k adjacent; 16 weight rows x KC columns are
-//                                 transposed into an fp32 block [KC][16] (in L1), then group16
-//                                 broadcasts each x value against 16 outputs, 6 x rows at a time:
-//                                 compute bound.
+//                                 transposed into an fp32 block [KC][16], two such blocks at a
+//                                 time (in L1), then group16 broadcasts each x value against 16
+//                                 outputs, 6 x rows at a time, for both blocks: compute bound.
 //
 // The three sum a row's products in different orders. panel_rows == 0 runs "dots" for every M:
 // each output is one 8-lane accumulation along k and one horizontal sum, whatever the number of
@@ -22,6 +22,7 @@
 #include "vec.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 namespace qwen_npu_cpu {
@@ -177,25 +178,44 @@ inline void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
 }
 
 // Outputs [0, 16 * panels) by transposed 16-row blocks of w against packed x; K % 8 == 0.
+// PANELS blocks of 16 weight rows are transposed together (2 x 16 KiB, in L1), and each packed x
+// group is multiplied by all of them while it is in L1: x, past L2 at prefill sizes, is read once
+// per PANELS blocks, not once per block. A block's sums are kept in rows of 16 (y's own
+// rows, N apart, fall into few cache sets when N is a power of two) and stored into y at the end.
+constexpr int64_t PANELS = 2;
 template <typename W>
 void linear_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t panels, float* y, int64_t ldy) {
-  std::vector<float> xp(M * K);
-  pack_x(x, M, K, xp.data());
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> buf(KC * 16);
+  std::unique_ptr<float[]> xp(new float[M * K]);     // every element written by pack_x
+  pack_x(x, M, K, xp.get());
+  const int64_t blocks = (panels + PANELS - 1) / PANELS;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(PANELS * KC * 16), acc(PANELS * M * 16);
     const W* rows[16];
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int r = 0; r < 16; ++r) rows[r] = w + (p * 16 + r) * K;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t p0 = b * PANELS, np = std::min(PANELS, panels - p0);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        // prefetch the next block of these rows, or in the last block the next panel's first
-        const int64_t ahead = k0 + KC < K ? KC : 16 * K - k0;
-        pack16(rows, k0, kc, buf.data(), p + 1 < p1 || k0 + KC < K ? ahead : 0);
+        for (int64_t j = 0; j < np; ++j) {
+          for (int r = 0; r < 16; ++r) rows[r] = w + ((p0 + j) * 16 + r) * K;
+          // prefetch these rows' next block, or in the last block the next weight rows' first
+          const bool last = k0 + KC >= K;
+          const int64_t ahead = last ? 16 * np * K - k0 : KC;
+          pack16(rows, k0, kc, buf.data() + j * KC * 16, last && b + 1 == b1 ? 0 : ahead);
+        }
         for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
           const int64_t mr = std::min(GROUP, M - m0);
-          GROUP16[mr](xp.data() + k0 * M + m0 * kc, buf.data(), kc, y + m0 * ldy + p * 16, ldy, k0 > 0);
+          for (int64_t j = 0; j < np; ++j)
+            GROUP16[mr](xp.get() + k0 * M + m0 * kc, buf.data() + j * KC * 16, kc, acc.data() + (j * M + m0) * 16,
+                        16, k0 > 0);
         }
       }
+      for (int64_t j = 0; j < np; ++j)
+        for (int64_t m = 0; m < M; ++m) {
+          const float* a = acc.data() + (j * M + m) * 16;
+          float* o = y + m * ldy + (p0 + j) * 16;
+          _mm256_storeu_ps(o, _mm256_loadu_ps(a));
+          _mm256_storeu_ps(o + 8, _mm256_loadu_ps(a + 8));
+        }
     }
   });
 }

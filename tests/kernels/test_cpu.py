@@ -39,6 +39,30 @@ def test_linear_matches_float64(n, k, rows, dtype):
     torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[dtype])
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [cpu.PANEL_ROWS, 23, 45])
+@pytest.mark.parametrize("n, k", [(16 * 5 + 3, 520), (16 * 8, 256), (16 * 3, 136)])
+def test_linear_panels_match_float64_on_every_thread_count(n, k, rows, wdtype):
+    """The many-rows layout on any CPU (``cpu.linear`` sends bf16 to torch where it is native):
+    blocks of several 16-row panels split between the threads, a last block of fewer panels
+    (5 panels), k in 256-column blocks and a tail (520 = 2 x 256 + 8), groups of 6 x rows and a
+    remainder (23, 45), the 3 outputs past the panels by dot products. Every output is one sum
+    in k order, so one thread and several give the same bits."""
+    gen = torch.Generator().manual_seed(rows * 10 + n + k)
+    x = torch.randn(rows, k, generator=gen)
+    w = (torch.randn(n, k, generator=gen) * 0.2).to(wdtype)
+    y = cpu.ops().linear(x, w, cpu.PANEL_ROWS)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[torch.float32])
+    threads = torch.get_num_threads()
+    try:
+        for t in {1, 2, 3} - {threads}:
+            torch.set_num_threads(t)
+            assert torch.equal(cpu.ops().linear(x, w, cpu.PANEL_ROWS), y), t
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(not (cpu.available() and cpu.bf16_dot()), reason="the CPU has no AVX512-BF16 dot products")
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 11, 16])
 @pytest.mark.parametrize("n, k", [(8, 32), (16, 64), (19, 1000), (7, 13), (1, 33), (40, 96)])
