@@ -5,13 +5,15 @@ path (see docs/benchmarks.md). This set keeps bf16 storage (weights and KV cache
 but does all arithmetic in fp32:
 
     function         how                                              vs reference
-    linear           C++ (csrc/linear.cpp): bf16 weights widened in   fp32 accumulation instead
-                       registers; one row (batch-1 decode) streams      of bf16 products
-                       4 weight rows at a time, prefetched ahead; few
-                       rows (decode, LM head) stream each weight row
-                       once, many rows (prefill) run
-                       a 6 x 16 register tile: x packed in 6-row
-                       groups, weights in transposed 16-row panels.
+    linear           C++: a Session's bf16 matrices packed at load     fp32 accumulation instead
+                       into 16-column panels (``prepare_weight``,       of bf16 products
+                       kernels/panels.py) and widened to fp32 in
+                       registers (csrc/linear_packed.cpp): decode
+                       streams each panel once per 6 rows, prefill
+                       (``WIDEN_ROWS`` rows on) widens two panels'
+                       blocks into L1 for a 6 x 16 register tile (x
+                       packed in 6-row groups, csrc/linear.cpp, which
+                       also multiplies plain weights).
                        On a CPU with native bf16 (AVX512-BF16, AMX),    bf16 products (exact in
                        a Session's matrices are reordered once at load  fp32), fp32 sums
                        for oneDNN (``prepare_weight``, kernels/onednn.py)
@@ -49,43 +51,28 @@ float32 models use torch's float32 matrix products for ``linear`` (already fast)
 attention. Tolerances against the reference (tests/kernels/test_cpu.py): float32 atol = rtol
 = 1e-5; bfloat16 atol = rtol = 2e-2.
 
-The C++ sources (``csrc/``) are compiled once per machine by ``kernels/build.py`` (a C++ compiler,
-the Python headers and ninja are needed; about a minute or two), when the first Session that uses the set
-is made, or ahead of time with ``qwen-npu build-kernels`` / ``qwen_npu.build_kernels()``. The
-build is cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a
-folder named after a hash of the sources, flags, torch and Python versions, so an edited source is
-rebuilt and never mixed with an old build. ``availability()`` says whether this machine can build
-the set; ``kernels="auto"`` picks it wherever it can (``kernels/cpu_choice.py``).
+The C++ sources (``csrc/``) are built once per machine by ``kernels/cpu_extension.py``.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
-import itertools
-import os
-import shutil
-import sys
-import sysconfig
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from . import build, cpu_features, onednn, reference
+from . import build, cpu_features, cpu_sdpa, onednn, panels, reference
+from .cpu_extension import (CFLAGS, CSRC, HEADERS, SOURCES, availability, available,  # noqa: F401
+                            ensure_built, extension, ops)
+from .cpu_sdpa import SDPA_PAD, SDPA_PAD_FROM, SDPA_ROWS  # noqa: F401
 from .metadata import AttentionMetadata
-from .onednn import prepares as prepares_weights  # noqa: F401
 
 NAME = "cpu"
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("module.cpp", "linear.cpp", "linear_bf16.cpp", "linear_amx.cpp", "attention.cpp", "attention_bf16.cpp", "attention_decode.cpp",
-           "attention_decode_bf16.cpp", "attention_decode_amx.cpp", "attention_amx.cpp", "elementwise_avx512.cpp",
-           "norm.cpp",
-           "activation.cpp", "greedy.cpp", "peak.cpp")
-HEADERS = ("vec.h", "vec512.h", "elementwise.h", "attention.h", "amx.h")
-# -fopenmp: at::parallel_for is a header template; without it the kernels would run on one thread
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
-# From this many x rows on, the weights are transposed in 16-row panels (see csrc/linear.cpp).
+# From this many x rows on, plain weights are transposed in blocks of 16 rows (see csrc/linear.cpp).
 PANEL_ROWS = 16
+# From this many x rows on, a product on 16-column panels (kernels/panels.py) widens each panel's
+# block into fp32 once for all rows (csrc/linear.cpp's layout); below, every row group widens it in
+# registers (csrc/linear_packed.cpp). The same bits either way; the crossing on the 0.6B shapes.
+WIDEN_ROWS = 96
 # Up to this many x rows, a product on a weight reordered for oneDNN runs csrc/linear_amx.cpp on a CPU
 # with AMX tiles (the same bits, the weights streamed 16-24% faster: docs/benchmarks.md).
 AMX_ROWS = 16
@@ -95,63 +82,7 @@ NATIVE_ROWS = 6
 # Below this many x rows, a CPU with AVX512-BF16 and no AMX runs csrc/linear_bf16.cpp (bf16 dot products
 # straight from bf16 x and weights), from it on torch's bf16 product: the crossing on the 0.6B shapes.
 BF16_DOT_ROWS = 20
-# From this many tokens on, a bf16 prefill row on a CPU with AMX tiles that the C++ kernels cannot use
-# (``amx_tiles()`` false: a build or a process without them) runs torch's SDPA (paged_attention).
-SDPA_ROWS = 16
-# A causal row longer than SDPA_PAD_FROM tokens is zero-padded at its end to a multiple of SDPA_PAD
-# for SDPA, which is up to twice as fast on such lengths (docs/benchmarks.md); the padding is
-# past every real token, so the causal mask keeps it from their outputs.
-SDPA_PAD, SDPA_PAD_FROM = 16, 128
-
 HALF_OR_FLOAT = (torch.bfloat16, torch.float32)
-
-
-@functools.lru_cache(maxsize=1)
-def availability() -> tuple[bool, str]:
-    """(can this machine build and run the set?, the reason in words). Compiles nothing; a build
-    that was tried and failed is reported by ``build.build_status(extension())``."""
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in ("AVX2", "AVX512"):
-        return False, f"the CPU's vector capability is {cap}; these kernels need AVX2 + FMA"
-    cxx = os.environ.get("CXX", "c++")              # what torch's builder runs
-    if shutil.which(cxx) is None:
-        return False, f"no C++ compiler: {cxx!r} (from {'CXX' if 'CXX' in os.environ else 'the default'}) is not on PATH"
-    if build.ninja_path() is None:
-        return False, "ninja is not installed (pip install ninja) to build the kernels"
-    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
-    if not header.exists():
-        return False, f"the Python headers are missing ({header}; install python3-dev or the like)"
-    return True, f"{cap} CPU, C++ compiler {shutil.which(cxx)}"
-
-
-def available() -> bool:
-    return availability()[0]
-
-
-@functools.lru_cache(maxsize=1)
-def extension() -> build.Extension:
-    """The extension to build: its name carries a hash of everything that changes the binary."""
-    digest = hashlib.sha256(" ".join(CFLAGS).encode())
-    digest.update(f"{torch.__version__} {sys.version}".encode())
-    for name in SOURCES + HEADERS:
-        digest.update((CSRC / name).read_bytes())
-    return build.Extension(name=f"qwen_npu_cpu_{digest.hexdigest()[:12]}",
-                           sources=tuple(str(CSRC / n) for n in SOURCES), cflags=CFLAGS,
-                           ldflags=("-fopenmp",), include_paths=(str(CSRC),))
-
-
-def ensure_built(*, log=None, progress: bool = True):
-    """Build (or load) the C++ extension now; ``build.KernelBuildError`` says why it cannot."""
-    ok, reason = availability()
-    if not ok:
-        raise build.KernelBuildError(f"the cpu kernel set cannot be built here: {reason}")
-    return build.ensure_built(extension(), log=log, progress=progress)
-
-
-@functools.lru_cache(maxsize=1)
-def ops():
-    """The compiled extension (a Session builds it when it is made; this loads it if not)."""
-    return ensure_built()
 
 
 def native_bf16() -> bool:
@@ -222,6 +153,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.is_mkldnn:
         y = _amx_linear(x, weight)
         return y if y is not None else onednn.linear(x, weight)
+    if panels.is_packed(weight):
+        return ops().linear_packed(x, weight, WIDEN_ROWS)
     if weight.dtype == torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight)
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() > 0 and native_bf16():
@@ -234,13 +167,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The model's load: ``onednn.prepare_weight`` (reordered for oneDNN where the CPU has native
-    bf16), and on a CPU with AMX tiles the AMX kernel's check of the result (``amx_agrees``) made
-    then rather than in the first decode step."""
+    """The model's load: ``onednn.prepare_weight`` where the CPU has native bf16 (reordered for
+    oneDNN; on a CPU with AMX tiles the AMX kernel's check of the result, ``amx_agrees``, made
+    then rather than in the first decode step); without, bf16 matrices of a multiple of 16 rows
+    as 16-column panels (kernels/panels.py), backed by huge pages. Anything else stays plain."""
     prepared = onednn.prepare_weight(weight)
     if prepared.is_mkldnn:
         amx_agrees(prepared)
+    elif not native_bf16() and panels.packs(weight):
+        prepared = panels.pack(weight)
+        onednn.collapse_to_huge_pages(prepared.data_ptr(), prepared.nbytes)
     return prepared
+
+
+def prepares_weights(dtype: torch.dtype) -> bool:
+    """Does ``prepare_weight`` hold matrices of ``dtype`` in a form of its own (then the loader
+    hands it plain tensors, each freed once its prepared form exists)? bf16: reordered for oneDNN
+    on a CPU with native bf16, 16-column panels on one without."""
+    return dtype == torch.bfloat16
 
 
 def _amx_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -299,63 +243,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if meta.is_decode or query.dtype != torch.bfloat16 or not amx() or amx_tiles():
         return ops().paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, float(scale), bf16_dot(), amx=amx_tiles())
-    split = _last_split
-    if split is None or split[0] is not meta:            # once per step: every layer shares the metadata
-        split = _split_rows(meta)
-    out = torch.empty_like(query)
-    for a, b, table, context, mask in split[1]:
-        out[a:b] = _sdpa_row(query[a:b], key_cache, value_cache, table, context, mask, scale)
-    if split[2] is not None:     # the rest (decode rows of a mixed step, short chunks) in one fp32 call
-        tokens, tables, seq_lens, starts = split[2]
-        out[tokens] = ops().paged_attention(query[tokens], key_cache, value_cache, tables, seq_lens, starts,
-                                            float(scale), bf16_dot(), amx=amx_tiles())
-    return out
-
-
-_last_split: tuple | None = None
-
-
-def _split_rows(meta: AttentionMetadata) -> tuple:
-    """(meta, the SDPA rows [(token start, end, block table, context, mask or None)], the C++ rows
-    (token index, block tables, seq_lens, query starts) or None), kept for the step's next layers."""
-    global _last_split
-    starts = [0, *itertools.accumulate(meta.query_lens_host)]
-    long, short = [], []
-    for r, n in enumerate(meta.query_lens_host):
-        if n < SDPA_ROWS:
-            short.append(r)
-            continue
-        context = meta.seq_lens_host[r]
-        mask = None              # queries past a cached prefix: key j is visible to query i if j <= start + i
-        if n < context:
-            mask = torch.arange(context)[None, :] <= torch.arange(context - n, context)[:, None]
-        long.append((starts[r], starts[r + 1], meta.block_tables[r], context, mask))
-    rest = None
-    if short:
-        rows = torch.tensor(short)
-        lens = [meta.query_lens_host[r] for r in short]
-        rest = (torch.cat([torch.arange(starts[r], starts[r + 1]) for r in short]), meta.block_tables[rows],
-                meta.seq_lens[rows], torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32))
-    _last_split = (meta, long, rest)
-    return _last_split
-
-
-def _sdpa_row(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
-              context: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """One row's attention: q [L, H, D] at positions context-L .. context-1 over the row's K/V
-    0 .. context-1, gathered from its blocks -> [L, H, D]; causal when ``mask`` is None (L == context)."""
-    block_size = key_cache.shape[1]
-    blocks = table[:-(-context // block_size)].long()
-    q = q.transpose(0, 1)[None]                                              # [1, H, L, D]
-    k = key_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)[None]      # [1, KV, S, D]
-    v = value_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)[None]
-    length = q.shape[2]
-    if mask is None and length > SDPA_PAD_FROM and length % SDPA_PAD:        # causal: L == S
-        pad = (0, 0, 0, -length % SDPA_PAD)
-        q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                       enable_gqa=True)              # 4-D: the flash path (3-D takes the slow one)
-    return y[0, :, :length].transpose(0, 1)
+    def rest(q, block_tables, seq_lens, query_start_loc):
+        return ops().paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                     float(scale), bf16_dot(), amx=amx_tiles())
+    return cpu_sdpa.paged_attention(query, key_cache, value_cache, meta, scale, rest)
 
 
 def _fused(*tensors: torch.Tensor) -> bool:

@@ -10,10 +10,13 @@ FAST = """## What makes qwen-npu fast here
   prefill tiles (`csrc/attention_bf16.cpp`) and decode tokens (`csrc/attention_decode_bf16.cpp`,
   K and V read straight from the cache and prefetched ahead; with AMX tiles the scores on the
   tiles, `csrc/attention_decode_amx.cpp`), and with AMX tiles prefill rows run flash-style on the
-  tiles (`csrc/attention_amx.cpp`, each row's K and V packed once into the tiles' layouts). Without native bf16: bf16 weights are widened
-  to fp32 in registers; decode streams each weight row once (batch 1: four rows at a time,
-  prefetched ahead); prefill packs x in 6-row groups and weights in transposed 16-row panels
-  for a 6 x 16 register tile.
+  tiles (`csrc/attention_amx.cpp`, each row's K and V packed once into the tiles' layouts). Without native bf16: every bf16 matrix is packed
+  once at load into 16-column panels (`kernels/panels.py`: for each k the 16 weights of 16
+  outputs, ordered so that one load widens to fp32 exactly in registers), so no product
+  transposes weights; decode streams each panel once for up to 6 rows (batch 1: four panels at
+  a time, prefetched ahead, `csrc/linear_packed.cpp`); prefill packs x in 6-row groups and widens
+  two panels' blocks into fp32 in L1 for a 6 x 16 register tile. Every output is the same sum in
+  k order whatever the number of rows.
 - Decode attention takes all KV heads of a token in one work item, so each position's K/V
   (adjacent in the cache) stream through memory in order; positions are found through
   offsets worked out once per item from the block table; each thread takes a run of items of
@@ -42,6 +45,22 @@ Measured on a 2-core AVX512-BF16 host without AMX (interleaved A/B), 0.6B shapes
   batch 1: 45 ms, 53-54 ms with the widening kernel.
 - `kernels="auto"` on that host: decode steps 1.6x (batch 1) and 2.4x (batch 16) faster with the
   cpu set than with the reference set, before the dot-product kernel.
+
+Measured on a 2-core Intel Xeon capped with `QWEN_NPU_CPU_ISA=avx2` (AVX2 FMA peak 265 GFLOP/s),
+2026-12-04, 0.6B shapes (q|k|v, o, gate|up, down and the LM head, GFLOP/s, best of four):
+
+- Panels against plain rows transposed in every call (`csrc/linear.cpp`): 1 row 10.4 ms against
+  12.5 for the five products; 4 rows 15.0 / 22.3; 16 rows 34.2 / 39.7 (the layer products at
+  180-210 GFLOP/s against 152-160); 32 rows 61.0 / 65.8; 512 rows 907 / 923. Whole steps:
+  batch 1 45.5 ms against 54-57, batch 16 142.8 against 161-169.
+- `WIDEN_ROWS = 96`: below it each 6-row group widens a panel's block in registers, from it the
+  block is widened into fp32 once for all rows: five products, ms, in registers / once: 32 rows
+  61.0 / 67.4, 48 rows 83.6 / 86.4, 64 rows 118.5 / 121.8, 96 rows 171.1 / 168.7, 128 rows
+  241.8 / 239.3. The same bits either way.
+- Many rows, plain weights: transposing two 16-row blocks together and keeping each block's sums
+  in rows of 16 (y's rows, 16 KiB apart at N = 4096, fall into few cache sets) took one thread
+  from 106 to 115 GFLOP/s on the layer shapes at 512 rows, and a 512-token prefill's products
+  from 2380-2480 ms to 2170-2210.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 

@@ -17,6 +17,8 @@ import time
 
 import torch.nn.functional as F
 
+from qwen_npu.kernels import panels
+
 PARTS = ("linear", "lm_head", "attention", "write_kv", "norms", "other", "engine")
 KERNEL_PARTS = {"write_kv": "write_kv", "paged_attention": "attention", "rms_norm": "norms",
                 "add_rms_norm": "norms", "rope": "norms"}
@@ -37,7 +39,7 @@ class TimedKernels:
         def linear(x, weight):
             t = time.perf_counter()
             y = inner_linear(x, weight)
-            self.seconds["lm_head" if weight.shape[0] == vocab_size else "linear"] += time.perf_counter() - t
+            self.seconds["lm_head" if panels.out_features(weight) == vocab_size else "linear"] += time.perf_counter() - t
             return y
         self.linear = linear
 

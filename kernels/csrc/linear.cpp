@@ -16,6 +16,9 @@
 //                                 time (in L1), then group16 broadcasts each x value against 16
 //                                 outputs, 6 x rows at a time, for both blocks: compute bound.
 //
+// "panels" also multiplies weights packed into 16-column panels (kernels/panels.py) from
+// linear_packed.cpp, each block widened instead of transposed (linear_panels_packed).
+//
 // The three sum a row's products in different orders. panel_rows == 0 runs "dots" for every M:
 // each output is one 8-lane accumulation along k and one horizontal sum, whatever the number of
 // rows (batch invariance, kernels/invariant.py).
@@ -28,7 +31,7 @@
 namespace qwen_npu_cpu {
 namespace {
 
-constexpr int64_t KC = 256;          // columns per transposed block (16 x 256 fp32 = 16 KiB)
+constexpr int64_t KC = LINEAR_KC;    // columns per transposed block
 
 #define QN_DOT_ACC(i, j) __m256 c##i##j = _mm256_setzero_ps();
 #define QN_DOT_FMA(i, j) if constexpr (MR > i && NR > j) c##i##j = _mm256_fmadd_ps(x##i, w##j, c##i##j);
@@ -177,31 +180,58 @@ inline void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
   });
 }
 
-// Outputs [0, 16 * panels) by transposed 16-row blocks of w against packed x; K % 8 == 0.
-// PANELS blocks of 16 weight rows are transposed together (2 x 16 KiB, in L1), and each packed x
-// group is multiplied by all of them while it is in L1: x, past L2 at prefill sizes, is read once
-// per PANELS blocks, not once per block. A block's sums are kept in rows of 16 (y's own
-// rows, N apart, fall into few cache sets when N is a power of two) and stored into y at the end.
-constexpr int64_t PANELS = 2;
+// The fp32 block [kc][16] of weight columns [16 p, 16 p + 16) and columns [k0, k0 + kc) that
+// group16 multiplies by: transposed from 16 plain rows of w [N, K] (pack16), or widened from a
+// panel of kernels/panels.py (panel p is [K][16] bf16 in the column order 0-3 8-11 4-7 12-15).
+// `next` (0: none) is the offset in elements of what to prefetch meanwhile.
 template <typename W>
-void linear_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t panels, float* y, int64_t ldy) {
+struct PlainRows {
+  const W* w;
+  int64_t K;
+  void operator()(int64_t p, int64_t k0, int64_t kc, float* buf, int64_t next) const {
+    const W* rows[16];
+    for (int r = 0; r < 16; ++r) rows[r] = w + (p * 16 + r) * K;
+    pack16(rows, k0, kc, buf, next);
+  }
+  // the offset of the next block of these rows, or past the last of np blocks, of the next np's first
+  int64_t ahead(int64_t np, int64_t k0) const { return k0 + KC < K ? KC : 16 * np * K - k0; }
+};
+struct PackedPanels {
+  const uint16_t* w;
+  int64_t K;
+  void operator()(int64_t p, int64_t k0, int64_t kc, float* buf, int64_t next) const {
+    const uint16_t* src = w + (p * K + k0) * 16;
+    for (int64_t k = 0; k < kc; ++k) {
+      if (next && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(src + k * 16 + next), _MM_HINT_T0);
+      __m256 lo, hi;
+      widen_panel_k(src + k * 16, lo, hi);
+      _mm256_storeu_ps(buf + k * 16, lo);
+      _mm256_storeu_ps(buf + k * 16 + 8, hi);
+    }
+  }
+  int64_t ahead(int64_t np, int64_t k0) const { return k0 + KC < K ? KC * 16 : (np * K - k0) * 16; }
+};
+
+// Outputs [0, 16 * panels) by fp32 blocks of 16 weight columns against packed x; K % 8 == 0.
+// PANELS blocks are made together (2 x 16 KiB, in L1), and each packed x group is multiplied by
+// all of them while it is in L1: x, past L2 at prefill sizes, is read once per PANELS blocks, not
+// once per block. A block's sums are kept in rows of 16 (y's own rows, N apart, fall into few
+// cache sets when N is a power of two) and stored into y at the end.
+constexpr int64_t PANELS = 2;
+template <typename Source>
+void linear_panels(const float* x, int64_t M, int64_t K, const Source& source, int64_t panels, float* y,
+                   int64_t ldy) {
   std::unique_ptr<float[]> xp(new float[M * K]);     // every element written by pack_x
   pack_x(x, M, K, xp.get());
   const int64_t blocks = (panels + PANELS - 1) / PANELS;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(PANELS * KC * 16), acc(PANELS * M * 16);
-    const W* rows[16];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p0 = b * PANELS, np = std::min(PANELS, panels - p0);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        for (int64_t j = 0; j < np; ++j) {
-          for (int r = 0; r < 16; ++r) rows[r] = w + ((p0 + j) * 16 + r) * K;
-          // prefetch these rows' next block, or in the last block the next weight rows' first
-          const bool last = k0 + KC >= K;
-          const int64_t ahead = last ? 16 * np * K - k0 : KC;
-          pack16(rows, k0, kc, buf.data() + j * KC * 16, last && b + 1 == b1 ? 0 : ahead);
-        }
+        const int64_t next = k0 + KC >= K && b + 1 == b1 ? 0 : source.ahead(np, k0);
+        for (int64_t j = 0; j < np; ++j) source(p0 + j, k0, kc, buf.data() + j * KC * 16, next);
         for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
           const int64_t mr = std::min(GROUP, M - m0);
           for (int64_t j = 0; j < np; ++j)
@@ -229,10 +259,14 @@ void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, 
   int64_t done = 0;
   if (M >= panel_rows && K % 8 == 0 && N >= 16) {
     const int64_t panels = N / 16;
-    linear_panels(x, M, K, w, panels, y, N);
+    linear_panels(x, M, K, PlainRows<W>{w, K}, panels, y, N);
     done = panels * 16;
   }
   if (done < N) linear_dots(x, M, K, w, done, N, y);
+}
+
+void linear_panels_packed(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* y) {
+  linear_panels(x, M, K, PackedPanels{w, K}, P, y, 16 * P);
 }
 
 template void linear_kernel<float>(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t);

@@ -30,6 +30,28 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t panel_rows) {
   return y.to(x.scalar_type()).view(sizes);
 }
 
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t widen_rows) {
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "cpu linear_packed: tensors must be on the cpu");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 16 && panels.scalar_type() == at::kBFloat16 &&
+                  panels.is_contiguous(),
+              "cpu linear_packed: panels must be a contiguous bf16 [P, K, 16] tensor, got ", panels.sizes(), " ",
+              panels.scalar_type());
+  const int64_t P = panels.size(0), K = panels.size(1);
+  TORCH_CHECK(x.dim() > 0 && x.size(-1) == K, "cpu linear_packed: x [..., K] and panels [P, K, 16] disagree: ",
+              x.sizes(), " vs ", panels.sizes());
+  auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();     // [M, K] fp32
+  const int64_t M = x2.size(0);
+  auto y = torch::empty({M, 16 * P}, x2.options());              // [M, N] fp32
+  if (M > 0 && P > 0)
+    linear_packed_kernel(x2.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()),
+                         P, y.data_ptr<float>(), widen_rows);
+  else
+    y.zero_();
+  auto sizes = x.sizes().vec();
+  sizes.back() = 16 * P;
+  return y.to(x.scalar_type()).view(sizes);
+}
+
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu linear_bf16: tensors must be on the cpu");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
@@ -256,6 +278,8 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_health(torch::Tensor logits) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &qwen_npu_cpu::linear, "y = x @ w.T with fp32 accumulation (bf16 or fp32 weights)");
+  m.def("linear_packed", &qwen_npu_cpu::linear_packed,
+        "y = x @ w.T with fp32 accumulation, w as bf16 16-column panels (kernels/panels.py)");
   m.def("linear_bf16", &qwen_npu_cpu::linear_bf16, "y = x @ w.T, bf16 x and w, AVX512-BF16 dot products");
   m.def("has_bf16_dot", &qwen_npu_cpu::bf16_dot_available, "was the AVX512-BF16 linear compiled in?");
   m.def("has_amx_linear", &qwen_npu_cpu::linear_amx_available, "was the AMX linear compiled in, with the tiles granted?");

@@ -56,6 +56,16 @@ inline __m256 exp_neg(__m256 x) {
   return _mm256_and_ps(out, _mm256_cmp_ps(x, lo, _CMP_NLE_UQ));  // underflow -> exactly 0; NaN kept
 }
 
+// 16 bf16 weights of one k of a panel (kernels/panels.py: columns in the order 0-3 8-11 4-7
+// 12-15) -> fp32 columns 0-7 and 8-15. A bf16 is the top half of its fp32, so interleaving with
+// zeros within each 128-bit lane widens it exactly.
+inline void widen_panel_k(const uint16_t* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+}
+
 // ---- the register tile ------------------------------------------------------------------------
 // y[i][0..16) (+)= sum_k x[i][k] * b[k][0..16) for MR (<= 6) rows of x, x[i][k] at
 // x[i * ldx + k * SX] (SX = 1: row-major rows; SX = MR: a packed group): each x value is
@@ -144,6 +154,12 @@ inline void pack16(const W* const* rows, int64_t k0, int64_t kc, float* buf, int
 // module.cpp checks and unpacks the tensors. Only module.cpp includes the torch headers.
 template <typename W>
 void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows);
+// linear_packed.cpp: x times bf16 weights held as P 16-column panels (kernels/panels.py), y [M, 16 P];
+// from widen_rows rows on by linear.cpp's many-rows layout (linear_panels_packed), the same bits
+constexpr int64_t LINEAR_KC = 256;    // k per block of both kernels' sums (16 x 256 fp32 = 16 KiB)
+void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* y,
+                          int64_t widen_rows);
+void linear_panels_packed(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* y);
 // linear_bf16.cpp: bf16 x and w with AVX512-BF16 dot products (call only where the CPU has them)
 bool bf16_dot_available();
 void linear_bf16_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);

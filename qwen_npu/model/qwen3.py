@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..kernels import onednn
+from ..kernels import onednn, panels
 from ..kernels.invariant import BatchInvariant
 from ..kernels.metadata import AttentionMetadata
 from .arena import concat_rows
@@ -259,13 +259,18 @@ def tap_for(hook: ForwardHook | None, rms_norm: Callable, eps: float) -> Tap | N
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear`` for a kernel set without its own ``linear``; takes a weight another set
     reordered too (a model forwarded with other kernels, as ``research.attention`` does)."""
-    return onednn.linear(x, weight) if weight.is_mkldnn else F.linear(x, weight)
+    if weight.is_mkldnn:
+        return onednn.linear(x, weight)
+    return F.linear(x, dense_weight(weight))
 
 
 def dense_weight(weight: torch.Tensor) -> torch.Tensor:
     """The plain [out, in] matrix of a model weight, whatever form the kernel set holds it in
-    (a copy, bit for bit, where the set reordered it: ``weight.is_mkldnn``)."""
-    return weight.to_dense() if weight.is_mkldnn else weight
+    (a copy, bit for bit, where the set reordered it, ``weight.is_mkldnn``, or packed it into
+    16-column panels, ``kernels.panels.is_packed``)."""
+    if weight.is_mkldnn:
+        return weight.to_dense()
+    return panels.unpack(weight) if panels.is_packed(weight) else weight
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,7 @@ def model_shape(model) -> dict:
     and the final norm; matrix weights) and ``head_bytes``/``head_params``."""
     layer_tensors = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
     return {"layer_bytes": sum(t.nbytes for t in layer_tensors) + model.norm.nbytes,
-            "layer_params": sum(t.numel() for t in layer_tensors if t.dim() == 2),
+            "layer_params": sum(t.numel() for t in layer_tensors if t.dim() >= 2),   # matrices, packed or not
             "head_bytes": model.lm_head.nbytes, "head_params": model.lm_head.numel()}
 
 

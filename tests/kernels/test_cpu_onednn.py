@@ -2,16 +2,17 @@
 product on a reordered weight is torch's bf16 product bit for bit, and what a Session built on
 them holds, reports and computes.
 
-On a CPU without native bf16 (or capped with ``QWEN_NPU_CPU_ISA=avx2``) nothing is reordered, and
-the tests that compare reordered products are skipped with that reason; the others assert the
-plain weights there.
+On a CPU without native bf16 (or capped with ``QWEN_NPU_CPU_ISA=avx2``) nothing is reordered: the
+bf16 matrices are packed into 16-column panels instead (kernels/panels.py, tests in
+test_cpu_panels.py), and the tests that compare reordered products are skipped with that reason;
+the others assert the panels there.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from qwen_npu.kernels import cpu, cpu_features, onednn
+from qwen_npu.kernels import cpu, cpu_features, onednn, panels
 
 from qwen_npu import SamplingParams, Session
 from qwen_npu.config import ModelConfig
@@ -30,27 +31,31 @@ def _weight(n=48, k=40, dtype=torch.bfloat16, seed=0):
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def test_bf16_weights_are_reordered_exactly_where_the_cpu_has_native_bf16():
+def test_bf16_weights_are_reordered_where_the_cpu_has_native_bf16_and_packed_where_not():
     w = _weight()
     p = cpu.prepare_weight(w)
-    assert p.is_mkldnn == NATIVE and cpu.prepares_weights(torch.bfloat16) == NATIVE
-    assert torch.equal(dense_weight(p), w) and p.shape == w.shape
+    assert p.is_mkldnn == NATIVE and panels.is_packed(p) == (not NATIVE)
+    assert cpu.prepares_weights(torch.bfloat16) and not cpu.prepares_weights(torch.float32)
+    assert torch.equal(dense_weight(p), w) and panels.out_features(p) == w.shape[0]
 
 
-@pytest.mark.parametrize("weight", [_weight(dtype=torch.float32), _weight()[0], _weight()[:, :8]],
-                         ids=["float32", "1-D", "strided view"])
+@pytest.mark.parametrize("weight", [_weight(dtype=torch.float32), _weight()[0], _weight()[:, :8], _weight(n=47)],
+                         ids=["float32", "1-D", "strided view", "47 rows"])
 def test_other_weights_are_left_as_they_are_or_read_contiguously(weight):
     p = cpu.prepare_weight(weight)
-    if weight.dtype == torch.float32 or weight.dim() != 2 or not NATIVE:
+    if weight.dtype == torch.float32 or weight.dim() != 2 or (not NATIVE and weight.shape[0] % 16):
         assert p is weight
-    else:
+    elif NATIVE:
         assert p.is_mkldnn and torch.equal(dense_weight(p), weight)
+    else:
+        assert panels.is_packed(p) and torch.equal(dense_weight(p), weight)
 
 
-def test_the_isa_cap_turns_reordering_off(monkeypatch):
+def test_the_isa_cap_turns_reordering_into_panels(monkeypatch):
     monkeypatch.setattr(cpu_features, "native_bf16", lambda: (False, "capped"))
     w = _weight()
-    assert cpu.prepare_weight(w) is w and not cpu.prepares_weights(torch.bfloat16)
+    p = cpu.prepare_weight(w)
+    assert panels.is_packed(p) and not p.is_mkldnn and torch.equal(dense_weight(p), w)
 
 
 @needs_native
@@ -113,11 +118,13 @@ def test_a_bf16_session_on_reordered_weights_matches_the_reference_set(ckpt):
     ref = Session.from_pretrained(ckpt, kernels="reference", dtype="bfloat16", num_blocks=64)
     model = fast.model
     assert all(getattr(layer, n).is_mkldnn == NATIVE for layer in model.layers for n in MATRICES)
+    assert all(panels.is_packed(getattr(layer, n)) == (not NATIVE) for layer in model.layers for n in MATRICES)
     assert model.head.is_mkldnn == NATIVE and not model.lm_head.is_mkldnn and not model.embed.is_mkldnn
+    assert NATIVE or model.head is model.lm_head          # 300 rows: not a whole number of panels
     for layer, plain in zip(model.layers, ref.model.layers):
         for n in MATRICES:
             assert torch.equal(dense_weight(getattr(layer, n)), getattr(plain, n))
-    # the memory report counts the reordered matrices and the LM head's copy (tied: the embedding)
+    # the memory report counts the prepared matrices and the LM head's copy (tied: the embedding)
     assert fast.memory().weights == ref.memory().weights + (model.head.nbytes if NATIVE else 0)
     prompt, tokens = list(range(5, 60)), [7, 99, 3, 250]
     for got, want in zip(_forced_logits(fast, prompt, tokens), _forced_logits(ref, prompt, tokens), strict=True):

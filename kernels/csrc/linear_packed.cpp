@@ -1,0 +1,119 @@
+// y = x @ w.T for bf16 weights held as 16-column panels (kernels/panels.py), with fp32
+// arithmetic: how a Session's matrices are multiplied on a CPU without native bf16.
+//
+// Panel p of w [N, K] is [K][16] bf16: for each k the weights w[16 p + c][k] of its 16 columns,
+// in the column order 0-3 8-11 4-7 12-15, so that one 32-byte load widens to fp32 columns 0-7
+// and 8-15 in two in-lane interleaves with zeros (vec.h, widen_panel_k). The panels are made
+// once at load: no product transposes weights (linear.cpp transposes 16 plain rows per block in
+// every call, a third of the work at 16 rows). Two layouts of the work, by the number of rows:
+//
+//   few rows   (M < widen_rows)  x read in place; each x value broadcast against the 16 columns
+//                                of a panel widened in registers, 6 rows at most per pass, one
+//                                row against 4 panels at a time (8 independent sums); each
+//                                panel's stream prefetched 2 KiB ahead: decode and the LM head,
+//                                bound by the stream of weights.
+//   many rows                    linear.cpp's layout (linear_panels_packed): two panels' blocks
+//                                widened into fp32 once, x packed in 6-row groups: prefill,
+//                                bound by the multiply-adds.
+//
+// Every output is one fp32 sum per block of LINEAR_KC values of k, in k order, and the blocks'
+// sums are added in order: the same bits for every number of rows, every split between the
+// threads and both layouts (the cpu set's products on panels are batch invariant).
+#include "vec.h"
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <vector>
+
+namespace qwen_npu_cpu {
+namespace {
+
+constexpr int64_t KC = LINEAR_KC;
+constexpr int64_t AHEAD = 1024;       // bf16 elements (2 KiB) a panel's stream is prefetched ahead
+constexpr int64_t PANELS = 4;         // panels per work item
+constexpr int64_t GROUP = 6;          // x rows per pass
+
+// MR rows of x (row i at x + i * ldx) against NP panels (panel j's block at b + j * ldp, [kc][16])
+// for one block of k; the sums of panel j, row i go to acc + j * lda + i * 16, added to what is
+// there when `add`. Out of line so that its accumulators get the registers to themselves.
+template <int MR, int NP>
+__attribute__((noinline)) void tile(const float* x, int64_t ldx, const uint16_t* b, int64_t ldp, int64_t kc,
+                                   float* acc, int64_t lda, bool add) {
+  __m256 c[MR][NP][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) c[i][j][0] = c[i][j][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 lo[NP], hi[NP];
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      if (k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(b + j * ldp + k * 16 + AHEAD), _MM_HINT_T0);
+      widen_panel_k(b + j * ldp + k * 16, lo[j], hi[j]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) {
+        c[i][j][0] = _mm256_fmadd_ps(a, lo[j], c[i][j][0]);
+        c[i][j][1] = _mm256_fmadd_ps(a, hi[j], c[i][j][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      float* o = acc + j * lda + i * 16;
+      if (add) {
+        c[i][j][0] = _mm256_add_ps(c[i][j][0], _mm256_loadu_ps(o));
+        c[i][j][1] = _mm256_add_ps(c[i][j][1], _mm256_loadu_ps(o + 8));
+      }
+      _mm256_storeu_ps(o, c[i][j][0]);
+      _mm256_storeu_ps(o + 8, c[i][j][1]);
+    }
+}
+
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t, bool);
+constexpr TileFn TILE[GROUP + 1] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>};
+
+// Outputs [0, 16 P) for few rows: work items of PANELS panels spread over the threads.
+void linear_few(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* y) {
+  const int64_t items = (P + PANELS - 1) / PANELS, ldp = 16 * K;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(PANELS * M * 16);               // [panel][row][16]
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t p0 = item * PANELS, np = std::min(PANELS, P - p0);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        const uint16_t* b = w + (p0 * K + k0) * 16;
+        if (M == 1 && np == PANELS) {
+          tile<1, PANELS>(x + k0, K, b, ldp, kc, acc.data(), 16, k0 > 0);
+          continue;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
+          const int64_t mr = std::min(GROUP, M - m0);
+          for (int64_t j = 0; j < np; ++j)
+            TILE[mr](x + m0 * K + k0, K, b + j * ldp, ldp, kc, acc.data() + (j * M + m0) * 16, M * 16, k0 > 0);
+        }
+      }
+      for (int64_t j = 0; j < np; ++j)
+        for (int64_t m = 0; m < M; ++m) {
+          const float* a = acc.data() + (j * M + m) * 16;
+          float* o = y + m * 16 * P + (p0 + j) * 16;
+          _mm256_storeu_ps(o, _mm256_loadu_ps(a));
+          _mm256_storeu_ps(o + 8, _mm256_loadu_ps(a + 8));
+        }
+    }
+  });
+}
+
+}  // namespace
+
+void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* y,
+                          int64_t widen_rows) {
+  if (M >= widen_rows) return linear_panels_packed(x, M, K, w, P, y);
+  linear_few(x, M, K, w, P, y);
+}
+
+}  // namespace qwen_npu_cpu

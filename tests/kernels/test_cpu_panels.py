@@ -1,0 +1,128 @@
+"""Weights as 16-column panels (kernels/panels.py) and their product (csrc/linear_packed.cpp):
+the layout, exactness against float64, the same bits for every row count, thread count and
+layout of the work, the routing of ``cpu.linear``, clear errors, and a Session that holds its
+matrices so (the form the cpu set uses on a CPU without native bf16; forced here on any CPU).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_reference import TOL
+
+from qwen_npu import SamplingParams, Session
+from qwen_npu.kernels import cpu, cpu_features, panels
+from qwen_npu.model.qwen3 import dense_weight
+from qwen_npu.testing import make_tiny_qwen3
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"cpu kernels: {cpu.availability()[1]}")
+
+
+def _case(rows, n, k, xdtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed + 7 * rows + 13 * n + k)
+    x = torch.randn(rows, k, generator=gen).to(xdtype)
+    w = (torch.randn(n, k, generator=gen) * 0.2).bfloat16()
+    return x, w
+
+
+def test_a_panel_holds_sixteen_outputs_of_each_k_in_the_widening_order():
+    w = torch.arange(32 * 3, dtype=torch.float32).reshape(32, 3).bfloat16()
+    p = panels.pack(w)
+    assert p.shape == (2, 3, 16) and p.is_contiguous() and p.dtype == torch.bfloat16
+    for q in range(2):
+        for k in range(3):
+            assert [int(v) for v in p[q, k].float()] == [int(w[16 * q + c, k].float()) for c in panels.ORDER]
+    assert torch.equal(panels.unpack(p), w) and panels.out_features(p) == 32 and panels.out_features(w) == 32
+
+
+@pytest.mark.parametrize("weight, what", [(torch.zeros(40, 8, dtype=torch.bfloat16), "40, 8"),
+                                          (torch.zeros(32, 8), "float32"),
+                                          (torch.zeros(32, dtype=torch.bfloat16), "(32,)"),
+                                          (torch.zeros(32, 0, dtype=torch.bfloat16), "32, 0")])
+def test_pack_refuses_what_it_cannot_hold_and_says_what(weight, what):
+    assert not panels.packs(weight)
+    with pytest.raises(ValueError, match="multiple of 16 rows") as e:
+        panels.pack(weight)
+    assert what in str(e.value)
+
+
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 45, cpu.WIDEN_ROWS, cpu.WIDEN_ROWS + 5])
+@pytest.mark.parametrize("n, k", [(16, 1), (80, 520), (64, 40), (48, 7)])
+def test_product_on_panels_matches_float64(n, k, rows, xdtype):
+    """One row against 4 panels at a time and 5 panels (4 + 1); groups of 6 rows and the rest;
+    k in blocks of 256 and a tail (520), k below one vector (1, 7); both layouts of the work."""
+    x, w = _case(rows, n, k, xdtype)
+    y = cpu.linear(x, panels.pack(w))
+    assert y.shape == (rows, n) and y.dtype == xdtype
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, **TOL[xdtype])
+
+
+@pytest.mark.parametrize("n, k", [(80, 520), (160, 1024), (32, 300)])
+def test_every_row_count_thread_count_and_layout_gives_the_same_bits(n, k):
+    x, w = _case(cpu.WIDEN_ROWS + 3, n, k)
+    p = panels.pack(w)
+    few = cpu.ops().linear_packed(x, p, 1 << 30)          # every row count by the few-rows layout
+    assert torch.equal(cpu.ops().linear_packed(x, p, 1), few)       # ... and by the widening one
+    for rows in (1, 2, 6, 7, 16):
+        for widen_rows in (1, 1 << 30):
+            assert torch.equal(cpu.ops().linear_packed(x[:rows], p, widen_rows), few[:rows]), (rows, widen_rows)
+    assert torch.equal(cpu.ops().linear_packed(x[5:6], p, 1 << 30), few[5:6])
+    threads = torch.get_num_threads()
+    try:
+        for t in {1, 2, 3} - {threads}:
+            torch.set_num_threads(t)
+            for widen_rows in (1, 1 << 30):
+                assert torch.equal(cpu.ops().linear_packed(x, p, widen_rows), few), (t, widen_rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_keeps_leading_dims_and_reads_views():
+    x, w = _case(12, 48, 64, torch.bfloat16)
+    p = panels.pack(w)
+    flat = cpu.linear(x, p)
+    assert torch.equal(cpu.linear(x.reshape(3, 4, 64), p), flat.reshape(3, 4, 48))
+    wide = torch.cat([x, x], dim=1)[:, :64]                        # a strided view of x
+    assert torch.equal(cpu.linear(wide, p), flat)
+    assert cpu.linear(x[:0], p).shape == (0, 48)
+
+
+def test_a_mismatched_call_says_what_is_wrong():
+    x, w = _case(2, 32, 40)
+    with pytest.raises(RuntimeError, match=r"x \[..., K\] and panels \[P, K, 16\] disagree"):
+        cpu.ops().linear_packed(x[:, :39], panels.pack(w), cpu.WIDEN_ROWS)
+    with pytest.raises(RuntimeError, match="panels must be a contiguous bf16"):
+        cpu.ops().linear_packed(x, panels.pack(w).float(), cpu.WIDEN_ROWS)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("panels") / "m", vocab_size=320, head_dim=32,
+                           hidden_size=128, intermediate_size=256, dtype=torch.bfloat16, seed=4)
+
+
+def test_a_session_on_panels_holds_them_and_matches_the_reference_set(ckpt, monkeypatch):
+    """As on a CPU without native bf16: every matrix and the LM head (320 rows) in panels, the
+    memory report counting the head's copy, greedy tokens and logits as the reference set's."""
+    monkeypatch.setattr(cpu_features, "native_bf16", lambda: (False, "as an AVX2 machine"))
+    fast = Session.from_pretrained(ckpt, kernels="cpu", dtype="bfloat16", num_blocks=64)
+    ref = Session.from_pretrained(ckpt, kernels="reference", dtype="bfloat16", num_blocks=64)
+    model = fast.model
+    for layer, plain in zip(model.layers, ref.model.layers, strict=True):
+        for n in ("qkv", "o", "gate_up", "down"):
+            assert panels.is_packed(getattr(layer, n)) and torch.equal(dense_weight(getattr(layer, n)), getattr(plain, n))
+    assert panels.is_packed(model.head) and torch.equal(dense_weight(model.head), model.lm_head)
+    assert fast.memory().weights == ref.memory().weights + model.head.nbytes
+    prompt = list(range(3, 70))
+    outs = []
+    for sess in (fast, ref):
+        req = sess.add_request(prompt, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+        step = sess.prefill()
+        outs.append(step.logits.to_host().float())
+        sess.sample(step)
+        while not req.is_done:
+            sess.step()
+        outs.append(req.output_token_ids)
+    (fast_logits, fast_tokens), (ref_logits, ref_tokens) = (outs[:2], outs[2:])
+    assert (fast_logits - ref_logits).abs().max() <= 0.05 * ref_logits.abs().max()
+    assert fast_tokens == ref_tokens
