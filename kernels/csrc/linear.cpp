@@ -22,7 +22,7 @@
 // The three sum a row's products in different orders. panel_rows == 0 runs "dots" for every M:
 // each output is one 8-lane accumulation along k and one horizontal sum, whatever the number of
 // rows (batch invariance, kernels/invariant.py).
-#include "vec.h"
+#include "elementwise.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <memory>
@@ -218,8 +218,8 @@ struct PackedPanels {
 // once per block. A block's sums are kept in rows of 16 (y's own rows, N apart, fall into few
 // cache sets when N is a power of two) and stored into y at the end.
 constexpr int64_t PANELS = 2;
-template <typename Source>
-void linear_panels(const float* x, int64_t M, int64_t K, const Source& source, int64_t panels, float* y,
+template <typename Source, typename Y>
+void linear_panels(const float* x, int64_t M, int64_t K, const Source& source, int64_t panels, Y* y,
                    int64_t ldy) {
   std::unique_ptr<float[]> xp(new float[M * K]);     // every element written by pack_x
   pack_x(x, M, K, xp.get());
@@ -242,9 +242,9 @@ void linear_panels(const float* x, int64_t M, int64_t K, const Source& source, i
       for (int64_t j = 0; j < np; ++j)
         for (int64_t m = 0; m < M; ++m) {
           const float* a = acc.data() + (j * M + m) * 16;
-          float* o = y + m * ldy + (p0 + j) * 16;
-          _mm256_storeu_ps(o, _mm256_loadu_ps(a));
-          _mm256_storeu_ps(o + 8, _mm256_loadu_ps(a + 8));
+          Y* o = y + m * ldy + (p0 + j) * 16;
+          elementwise::store8(o, _mm256_loadu_ps(a));
+          elementwise::store8(o + 8, _mm256_loadu_ps(a + 8));
         }
     }
   });
@@ -265,9 +265,13 @@ void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, 
   if (done < N) linear_dots(x, M, K, w, done, N, y);
 }
 
-void linear_panels_packed(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* y) {
+template <typename Y>
+void linear_panels_packed(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y) {
   linear_panels(x, M, K, PackedPanels{w, K}, P, y, 16 * P);
 }
+template void linear_panels_packed<float>(const float*, int64_t, int64_t, const uint16_t*, int64_t, float*);
+template void linear_panels_packed<c10::BFloat16>(const float*, int64_t, int64_t, const uint16_t*, int64_t,
+                                                  c10::BFloat16*);
 
 template void linear_kernel<float>(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
 template void linear_kernel<c10::BFloat16>(const float*, int64_t, int64_t, const c10::BFloat16*, int64_t, float*,

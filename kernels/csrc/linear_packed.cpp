@@ -17,9 +17,9 @@
 //                                bound by the multiply-adds.
 //
 // Every output is one fp32 sum per block of LINEAR_KC values of k, in k order, and the blocks'
-// sums are added in order: the same bits for every number of rows, every split between the
+// sums are added in order, rounded once to y's dtype as it is stored: the same bits for every number of rows, every split between the
 // threads and both layouts (the cpu set's products on panels are batch invariant).
-#include "vec.h"
+#include "elementwise.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <vector>
@@ -78,7 +78,8 @@ using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t
 constexpr TileFn TILE[GROUP + 1] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>};
 
 // Outputs [0, 16 P) for few rows: work items of PANELS panels spread over the threads.
-void linear_few(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* y) {
+template <typename Y>
+void linear_few(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y) {
   const int64_t items = (P + PANELS - 1) / PANELS, ldp = 16 * K;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> acc(PANELS * M * 16);               // [panel][row][16]
@@ -100,9 +101,9 @@ void linear_few(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t
       for (int64_t j = 0; j < np; ++j)
         for (int64_t m = 0; m < M; ++m) {
           const float* a = acc.data() + (j * M + m) * 16;
-          float* o = y + m * 16 * P + (p0 + j) * 16;
-          _mm256_storeu_ps(o, _mm256_loadu_ps(a));
-          _mm256_storeu_ps(o + 8, _mm256_loadu_ps(a + 8));
+          Y* o = y + m * 16 * P + (p0 + j) * 16;
+          elementwise::store8(o, _mm256_loadu_ps(a));
+          elementwise::store8(o + 8, _mm256_loadu_ps(a + 8));
         }
     }
   });
@@ -110,10 +111,14 @@ void linear_few(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t
 
 }  // namespace
 
-void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* y,
+template <typename Y>
+void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y,
                           int64_t widen_rows) {
   if (M >= widen_rows) return linear_panels_packed(x, M, K, w, P, y);
   linear_few(x, M, K, w, P, y);
 }
+template void linear_packed_kernel<float>(const float*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t);
+template void linear_packed_kernel<c10::BFloat16>(const float*, int64_t, int64_t, const uint16_t*, int64_t,
+                                                  c10::BFloat16*, int64_t);
 
 }  // namespace qwen_npu_cpu

@@ -39,17 +39,19 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t widen
   const int64_t P = panels.size(0), K = panels.size(1);
   TORCH_CHECK(x.dim() > 0 && x.size(-1) == K, "cpu linear_packed: x [..., K] and panels [P, K, 16] disagree: ",
               x.sizes(), " vs ", panels.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "cpu linear_packed: x must be bfloat16 or float32, got ", x.scalar_type());
   auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();     // [M, K] fp32
   const int64_t M = x2.size(0);
-  auto y = torch::empty({M, 16 * P}, x2.options());              // [M, N] fp32
-  if (M > 0 && P > 0)
-    linear_packed_kernel(x2.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()),
-                         P, y.data_ptr<float>(), widen_rows);
-  else
-    y.zero_();
+  auto y = torch::empty({M, 16 * P}, x.options());               // [M, N] in x's dtype, rounded as stored
+  const auto* w = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  if (M > 0 && P > 0 && y.scalar_type() == at::kBFloat16)
+    linear_packed_kernel(x2.data_ptr<float>(), M, K, w, P, y.data_ptr<c10::BFloat16>(), widen_rows);
+  else if (M > 0 && P > 0)
+    linear_packed_kernel(x2.data_ptr<float>(), M, K, w, P, y.data_ptr<float>(), widen_rows);
   auto sizes = x.sizes().vec();
   sizes.back() = 16 * P;
-  return y.to(x.scalar_type()).view(sizes);
+  return y.view(sizes);
 }
 
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {

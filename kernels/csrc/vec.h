@@ -154,12 +154,15 @@ inline void pack16(const W* const* rows, int64_t k0, int64_t kc, float* buf, int
 // module.cpp checks and unpacks the tensors. Only module.cpp includes the torch headers.
 template <typename W>
 void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows);
-// linear_packed.cpp: x times bf16 weights held as P 16-column panels (kernels/panels.py), y [M, 16 P];
-// from widen_rows rows on by linear.cpp's many-rows layout (linear_panels_packed), the same bits
+// linear_packed.cpp: x times bf16 weights held as P 16-column panels (kernels/panels.py), y [M, 16 P]
+// in fp32 or rounded to bf16 as it is stored; from widen_rows rows on by linear.cpp's many-rows
+// layout (linear_panels_packed), the same bits
 constexpr int64_t LINEAR_KC = 256;    // k per block of both kernels' sums (16 x 256 fp32 = 16 KiB)
-void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* y,
+template <typename Y>
+void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y,
                           int64_t widen_rows);
-void linear_panels_packed(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* y);
+template <typename Y>
+void linear_panels_packed(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y);
 // linear_bf16.cpp: bf16 x and w with AVX512-BF16 dot products (call only where the CPU has them)
 bool bf16_dot_available();
 void linear_bf16_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);

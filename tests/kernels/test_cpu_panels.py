@@ -77,6 +77,22 @@ def test_every_row_count_thread_count_and_layout_gives_the_same_bits(n, k):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("widen_rows", [1, 1 << 30])
+def test_bf16_results_are_the_fp32_sums_rounded_as_torch_rounds(widen_rows):
+    """bf16 x: each output rounded once to bf16 as it is stored, bit for bit what torch's
+    conversion of the fp32 result gives, infinities included; a NaN (row 3 carries one) stays a
+    NaN (stored as the one quiet NaN c10::BFloat16 makes, whatever torch's vector path keeps)."""
+    x, w = _case(9, 48, 520, torch.bfloat16)
+    x[3, 11] = float("nan")
+    x[4, :2], w[0, :2] = 3e38, 1.0                 # 6e38 and the rest: past fp32's largest
+    p = panels.pack(w)
+    got = cpu.ops().linear_packed(x, p, widen_rows)
+    want = cpu.ops().linear_packed(x.float(), p, widen_rows).bfloat16()
+    nan = want.isnan()
+    assert got.dtype == torch.bfloat16 and torch.equal(got.isnan(), nan) and nan[3].all() and nan.sum() == 48
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]) and got[4, 0] == float("inf")
+
+
 def test_linear_keeps_leading_dims_and_reads_views():
     x, w = _case(12, 48, 64, torch.bfloat16)
     p = panels.pack(w)
