@@ -19,7 +19,6 @@ import torch
 
 WIDTH = 16                                       # outputs per panel
 ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)    # stored position -> output in the panel
-_INVERSE = tuple(ORDER.index(c) for c in range(WIDTH))                # output in the panel -> stored position
 
 
 def packs(weight: torch.Tensor) -> bool:
@@ -33,7 +32,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"panels take a 2-D bf16 cpu weight of a multiple of {WIDTH} rows; got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
     n, k = weight.shape
-    return weight.reshape(n // WIDTH, WIDTH, k)[:, list(ORDER), :].transpose(1, 2).contiguous()
+    # output 8 h + 4 q + b of a panel is stored at 8 q + 4 h + b (ORDER): the two halving axes
+    # swap, so the whole packing is one strided copy (no intermediate the size of the weight)
+    return weight.reshape(n // WIDTH, 2, 2, 4, k).permute(0, 4, 2, 1, 3).reshape(n // WIDTH, k, WIDTH)
 
 
 def is_packed(weight: torch.Tensor) -> bool:
@@ -43,7 +44,7 @@ def is_packed(weight: torch.Tensor) -> bool:
 def unpack(panels: torch.Tensor) -> torch.Tensor:
     """panels [P, K, 16] -> the plain weight [16 P, K], bit for bit."""
     p, k, _ = panels.shape
-    return panels.transpose(1, 2)[:, list(_INVERSE), :].reshape(p * WIDTH, k)
+    return panels.reshape(p, k, 2, 2, 4).permute(0, 3, 2, 4, 1).reshape(p * WIDTH, k)
 
 
 def out_features(weight: torch.Tensor) -> int:
