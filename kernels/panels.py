@@ -33,8 +33,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
     n, k = weight.shape
     # output 8 h + 4 q + b of a panel is stored at 8 q + 4 h + b (ORDER): the two halving axes
-    # swap, so the whole packing is one strided copy (no intermediate the size of the weight)
-    return weight.reshape(n // WIDTH, 2, 2, 4, k).permute(0, 4, 2, 1, 3).reshape(n // WIDTH, k, WIDTH)
+    # swap, so the whole packing is one strided copy into memory of its own (no intermediate the
+    # size of the weight, never a view of the input, whatever its strides)
+    out = torch.empty((n // WIDTH, k, WIDTH), dtype=weight.dtype)
+    out.view(n // WIDTH, k, 2, 2, 4).copy_(weight.reshape(n // WIDTH, 2, 2, 4, k).permute(0, 4, 2, 1, 3))
+    return out
 
 
 def is_packed(weight: torch.Tensor) -> bool:

@@ -17,8 +17,10 @@
 //                                bound by the multiply-adds.
 //
 // Every output is one fp32 sum per block of LINEAR_KC values of k, in k order, and the blocks'
-// sums are added in order, rounded once to y's dtype as it is stored: the same bits for every number of rows, every split between the
-// threads and both layouts (the cpu set's products on panels are batch invariant).
+// sums are added in order, rounded once to y's dtype as it is stored: the same bits for every
+// number of rows, every split between the threads and both layouts (the cpu set's products on
+// panels are batch invariant). Under torch.set_flush_denormal(True), which sets the mode of the
+// calling thread only, the other threads keep subnormals, as in torch's own kernels.
 #include "elementwise.h"
 #include <ATen/Parallel.h>
 #include <algorithm>

@@ -177,8 +177,8 @@ class Qwen3Model:
         h = tap("final_norm", h)
         if hidden_out is not None:
             hidden_out.copy_(h)
-        if (logits_out is not None and logits_out.dtype == h.dtype and not self.head.is_mkldnn
-                and not invariant):                            # torch.mm rounds rows by their number
+        if (logits_out is not None and logits_out.dtype == h.dtype and self.head.dim() == 2
+                and not self.head.is_mkldnn and not invariant):    # torch.mm rounds rows by their number
             logits = torch.mm(h, self.head.t(), out=logits_out)             # [rows_out, vocab]
         else:
             logits = linear(h, self.head)

@@ -34,6 +34,17 @@ def test_a_panel_holds_sixteen_outputs_of_each_k_in_the_widening_order():
     assert torch.equal(panels.unpack(p), w) and panels.out_features(p) == 32 and panels.out_features(w) == 32
 
 
+@pytest.mark.parametrize("weight", [torch.randn(1, 24).bfloat16().expand(48, 24), torch.randn(24, 32).bfloat16().T,
+                                    torch.randn(64, 5).bfloat16()[::2]], ids=["rows broadcast", "transposed", "every other row"])
+def test_pack_always_makes_contiguous_panels_of_their_own(weight):
+    p = panels.pack(weight)
+    assert p.is_contiguous() and p.untyped_storage().nbytes() == p.nbytes == weight.numel() * 2
+    assert p.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    assert torch.equal(panels.unpack(p), weight)
+    x = torch.randn(3, weight.shape[1])
+    torch.testing.assert_close(cpu.linear(x, p).double(), x.double() @ weight.double().T, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("weight, what", [(torch.zeros(40, 8, dtype=torch.bfloat16), "40, 8"),
                                           (torch.zeros(32, 8), "float32"),
                                           (torch.zeros(32, dtype=torch.bfloat16), "(32,)"),
@@ -142,3 +153,26 @@ def test_a_session_on_panels_holds_them_and_matches_the_reference_set(ckpt, monk
     (fast_logits, fast_tokens), (ref_logits, ref_tokens) = (outs[:2], outs[2:])
     assert (fast_logits - ref_logits).abs().max() <= 0.05 * ref_logits.abs().max()
     assert fast_tokens == ref_tokens
+
+
+def test_a_packed_lm_head_fills_a_logits_buffer_of_the_models_dtype(ckpt, monkeypatch):
+    """The model's forward writes logits of its own dtype into ``logits_out`` by ``torch.mm`` on
+    a plain head, through the set's ``linear`` on a packed one: both as the reference set's."""
+    from qwen_npu.model.qwen3 import Qwen3Model
+    monkeypatch.setattr(cpu_features, "native_bf16", lambda: (False, "as an AVX2 machine"))
+    original = Qwen3Model.forward
+
+    def forward(self, input_ids, meta, kv, logits_index, *, logits_out=None, **kw):
+        mine = torch.empty(logits_out.shape, dtype=self.dtype)               # bf16, not the runner's fp32
+        out = original(self, input_ids, meta, kv, logits_index, logits_out=mine, **kw)
+        assert out is mine
+        return logits_out.copy_(mine)
+    monkeypatch.setattr(Qwen3Model, "forward", forward)
+    monkeypatch.setattr(Qwen3Model, "__call__", forward)
+    logits = []
+    for kernels in ("cpu", "reference"):
+        sess = Session.from_pretrained(ckpt, kernels=kernels, dtype="bfloat16", num_blocks=64)
+        assert panels.is_packed(sess.model.head) == (kernels == "cpu")
+        sess.add_request(list(range(3, 20)), SamplingParams(max_new_tokens=2, temperature=0.0))
+        logits.append(sess.prefill().logits.to_host().float())
+    assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()
