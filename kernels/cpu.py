@@ -144,9 +144,11 @@ def torch_rows() -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T -> [..., N] in x's dtype, accumulated in fp32.
 
-    A weight from ``prepare_weight`` (bf16 on a CPU with native bf16: how a Session holds its
-    matrices there): oneDNN's product on the reordered weight (kernels/onednn.py); up to
-    ``AMX_ROWS`` rows on a CPU with AMX tiles, csrc/linear_amx.cpp on the same bytes. Plain bf16
+    A weight from ``prepare_weight`` (how a Session holds its bf16 matrices): on a CPU with
+    native bf16, oneDNN's product on the reordered weight (kernels/onednn.py), up to ``AMX_ROWS``
+    rows on a CPU with AMX tiles csrc/linear_amx.cpp on the same bytes; on one without, 16-column
+    panels (kernels/panels.py, ``N`` = 16 x their first size) through csrc/linear_packed.cpp, x
+    bf16 or fp32 on the CPU. Plain bf16
     weights: from ``torch_rows()`` rows on torch's bf16 product; fewer rows on a CPU with
     AVX512-BF16, csrc/linear_bf16.cpp (native bf16 dot products); everything else,
     csrc/linear.cpp (weights widened in registers)."""
