@@ -57,6 +57,10 @@ Measured on a 2-core Intel Xeon capped with `QWEN_NPU_CPU_ISA=avx2` (AVX2 FMA pe
   block is widened into fp32 once for all rows: five products, ms, in registers / once: 32 rows
   61.0 / 67.4, 48 rows 83.6 / 86.4, 64 rows 118.5 / 121.8, 96 rows 171.1 / 168.7, 128 rows
   241.8 / 239.3. The same bits either way.
+- Several 6-row passes over a block take 64 values of k in turn (each chunk of weights read from
+  memory once, then served from L1 to the other passes) instead of a whole 256-k block each:
+  five products, ms, 8 rows 19.0-19.5 against 22.0, 16 rows 31.2-31.5 against 33-34, 32 rows
+  57.9 against 61.0 (chunks of 32: 20.0 / 32.7 / 61.0; of 128: 21.2 / 31.8 / 58.3).
 - Many rows, plain weights: transposing two 16-row blocks together and keeping each block's sums
   in rows of 16 (y's rows, 16 KiB apart at N = 4096, fall into few cache sets) took one thread
   from 106 to 115 GFLOP/s on the layer shapes at 512 rows, and a 512-token prefill's products

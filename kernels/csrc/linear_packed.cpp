@@ -33,18 +33,23 @@ constexpr int64_t KC = LINEAR_KC;
 constexpr int64_t AHEAD = 1024;       // bf16 elements (2 KiB) a panel's stream is prefetched ahead
 constexpr int64_t PANELS = 4;         // panels per work item
 constexpr int64_t GROUP = 6;          // x rows per pass
+constexpr int64_t CHUNK = 64;         // k per turn of several passes
 
-// MR rows of x (row i at x + i * ldx) against NP panels (panel j's block at b + j * ldp, [kc][16])
-// for one block of k; the sums of panel j, row i go to acc + j * lda + i * 16, added to what is
-// there when `add`. Out of line so that its accumulators get the registers to themselves.
+// MR rows of x (row i at x + i * ldx) against NP panels (panel j's values at b + j * ldp, [kc][16])
+// for kc values of k. The sums of panel j, row i start from `from` + j * lda + i * 16 (zero when
+// null), have what is at `add` (same layout) added when it is not null, and go to `out`. Out of
+// line so that its accumulators get the registers to themselves.
 template <int MR, int NP>
 __attribute__((noinline)) void tile(const float* x, int64_t ldx, const uint16_t* b, int64_t ldp, int64_t kc,
-                                   float* acc, int64_t lda, bool add) {
+                                   float* out, int64_t lda, const float* from, const float* add) {
   __m256 c[MR][NP][2];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j) c[i][j][0] = c[i][j][1] = _mm256_setzero_ps();
+    for (int j = 0; j < NP; ++j) {
+      c[i][j][0] = from ? _mm256_loadu_ps(from + j * lda + i * 16) : _mm256_setzero_ps();
+      c[i][j][1] = from ? _mm256_loadu_ps(from + j * lda + i * 16 + 8) : _mm256_setzero_ps();
+    }
   for (int64_t k = 0; k < kc; ++k) {
     __m256 lo[NP], hi[NP];
 #pragma GCC unroll 8
@@ -66,17 +71,17 @@ __attribute__((noinline)) void tile(const float* x, int64_t ldx, const uint16_t*
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
-      float* o = acc + j * lda + i * 16;
       if (add) {
-        c[i][j][0] = _mm256_add_ps(c[i][j][0], _mm256_loadu_ps(o));
-        c[i][j][1] = _mm256_add_ps(c[i][j][1], _mm256_loadu_ps(o + 8));
+        c[i][j][0] = _mm256_add_ps(c[i][j][0], _mm256_loadu_ps(add + j * lda + i * 16));
+        c[i][j][1] = _mm256_add_ps(c[i][j][1], _mm256_loadu_ps(add + j * lda + i * 16 + 8));
       }
-      _mm256_storeu_ps(o, c[i][j][0]);
-      _mm256_storeu_ps(o + 8, c[i][j][1]);
+      _mm256_storeu_ps(out + j * lda + i * 16, c[i][j][0]);
+      _mm256_storeu_ps(out + j * lda + i * 16 + 8, c[i][j][1]);
     }
 }
 
-using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t, bool);
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t, const float*,
+                        const float*);
 constexpr TileFn TILE[GROUP + 1] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>};
 
 // Outputs [0, 16 P) for few rows: work items of PANELS panels spread over the threads.
@@ -84,20 +89,34 @@ template <typename Y>
 void linear_few(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y) {
   const int64_t items = (P + PANELS - 1) / PANELS, ldp = 16 * K;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> acc(PANELS * M * 16);               // [panel][row][16]
+    // acc: the sums of the blocks done; part: those of the block under way  [panel][row][16]
+    std::vector<float> acc(PANELS * M * 16), part(M > GROUP ? PANELS * M * 16 : 0);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t p0 = item * PANELS, np = std::min(PANELS, P - p0);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const uint16_t* b = w + (p0 * K + k0) * 16;
+        float* sums = acc.data();
+        const float* done = k0 > 0 ? sums : nullptr;
         if (M == 1 && np == PANELS) {
-          tile<1, PANELS>(x + k0, K, b, ldp, kc, acc.data(), 16, k0 > 0);
+          tile<1, PANELS>(x + k0, K, b, ldp, kc, sums, 16, nullptr, done);
           continue;
         }
-        for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
-          const int64_t mr = std::min(GROUP, M - m0);
-          for (int64_t j = 0; j < np; ++j)
-            TILE[mr](x + m0 * K + k0, K, b + j * ldp, ldp, kc, acc.data() + (j * M + m0) * 16, M * 16, k0 > 0);
+        // Several passes of 6 rows: they take CHUNK values of k in turn, so that each chunk of
+        // weights is read from memory once and then served from L1 to the other passes while the
+        // next one streams in (a whole block per pass leaves memory idle for two passes of three).
+        const int64_t chunk = M > GROUP ? CHUNK : kc;
+        for (int64_t c0 = 0; c0 < kc; c0 += chunk) {
+          const int64_t ch = std::min(chunk, kc - c0);
+          const bool first = c0 == 0, last = c0 + ch >= kc;
+          for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
+            const int64_t mr = std::min(GROUP, M - m0), at = m0 * 16;
+            for (int64_t j = 0; j < np; ++j)
+              TILE[mr](x + m0 * K + k0 + c0, K, b + j * ldp + c0 * 16, ldp, ch,
+                       (last ? sums : part.data()) + j * M * 16 + at, M * 16,
+                       first ? nullptr : part.data() + j * M * 16 + at,
+                       last && done ? done + j * M * 16 + at : nullptr);
+          }
         }
       }
       for (int64_t j = 0; j < np; ++j)
