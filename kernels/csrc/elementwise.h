@@ -33,6 +33,15 @@ inline void store8(c10::BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
+// rows rows of 16 fp32 sums, [rows][16] at sums, into y's rows (ldy apart) as T.
+template <typename T>
+inline void store_rows16(const float* sums, int64_t rows, T* y, int64_t ldy) {
+  for (int64_t m = 0; m < rows; ++m) {
+    store8(y + m * ldy, _mm256_loadu_ps(sums + m * 16));
+    store8(y + m * ldy + 8, _mm256_loadu_ps(sums + m * 16 + 8));
+  }
+}
+
 // Work per thread in the elementwise kernels: at least 16K elements, so that a batch-1 decode
 // step's calls run inline and batch 16 uses both cores of a small machine (they are bound by
 // arithmetic, not memory).

@@ -240,12 +240,7 @@ void linear_panels(const float* x, int64_t M, int64_t K, const Source& source, i
         }
       }
       for (int64_t j = 0; j < np; ++j)
-        for (int64_t m = 0; m < M; ++m) {
-          const float* a = acc.data() + (j * M + m) * 16;
-          Y* o = y + m * ldy + (p0 + j) * 16;
-          elementwise::store8(o, _mm256_loadu_ps(a));
-          elementwise::store8(o + 8, _mm256_loadu_ps(a + 8));
-        }
+        elementwise::store_rows16(acc.data() + j * M * 16, M, y + (p0 + j) * 16, ldy);
     }
   });
 }

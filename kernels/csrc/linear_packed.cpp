@@ -120,12 +120,7 @@ void linear_few(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t
         }
       }
       for (int64_t j = 0; j < np; ++j)
-        for (int64_t m = 0; m < M; ++m) {
-          const float* a = acc.data() + (j * M + m) * 16;
-          Y* o = y + m * 16 * P + (p0 + j) * 16;
-          elementwise::store8(o, _mm256_loadu_ps(a));
-          elementwise::store8(o + 8, _mm256_loadu_ps(a + 8));
-        }
+        elementwise::store_rows16(acc.data() + j * M * 16, M, y + (p0 + j) * 16, 16 * P);
     }
   });
 }
