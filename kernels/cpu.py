@@ -155,7 +155,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.is_mkldnn:
         y = _amx_linear(x, weight)
         return y if y is not None else onednn.linear(x, weight)
-    if panels.is_packed(weight):
+    if weight.dim() == 3:          # 16-column panels: the only 3-D matrices (panels.is_packed)
         return ops().linear_packed(x, weight, WIDEN_ROWS)
     if weight.dtype == torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight)

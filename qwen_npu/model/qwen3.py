@@ -270,7 +270,7 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
     16-column panels, ``kernels.panels.is_packed``)."""
     if weight.is_mkldnn:
         return weight.to_dense()
-    return panels.unpack(weight) if panels.is_packed(weight) else weight
+    return panels.unpack(weight) if weight.dim() == 3 else weight    # panels: the only 3-D matrices
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
