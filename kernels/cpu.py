@@ -193,12 +193,19 @@ def _amx_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x @ weight.T through csrc/linear_amx.cpp for up to ``AMX_ROWS`` bf16 rows of x and a weight
     reordered for oneDNN that the kernel reads to oneDNN's bits (``amx_agrees``); None (oneDNN
     then multiplies) everywhere else."""
-    n, k = weight.shape
-    rows = x.numel() // max(k, 1)
-    if not (0 < rows <= AMX_ROWS and x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] == k
-            and amx_agrees(weight)):
+    known = getattr(weight, "_amx_agrees", None)     # read here, not through amx_agrees: once per product
+    if known is None or known[0] != torch.get_num_threads():
+        amx_agrees(weight)
+        known = weight._amx_agrees
+    n, k = known[3]
+    if not known[1] or x.dtype != torch.bfloat16 or x.shape[-1] != k:
         return None
-    y = ops().linear_amx(x.reshape(rows, k), weight._amx_agrees[2], n)
+    if x.dim() == 2:                                # the model's calls: no reshape to pay for
+        return ops().linear_amx(x, known[2], n) if 0 < x.shape[0] <= AMX_ROWS else None
+    rows = x.numel() // max(k, 1)
+    if not 0 < rows <= AMX_ROWS:
+        return None
+    y = ops().linear_amx(x.reshape(rows, k), known[2], n)
     return None if y is None else y.view(*x.shape[:-1], n)
 
 
@@ -210,8 +217,9 @@ def amx_agrees(weight: torch.Tensor) -> bool:
 
     The kernel assumes oneDNN's blocked layout and sums K in order, as oneDNN does unless it splits
     the sum across threads (it may on hosts with many cores). So on a weight's first product at a
-    thread count, both multiply random rows (``AGREEMENT_ROWS``) and must agree bit for bit; the
-    answer is kept on the weight as (threads, answer, the address of the reordered bytes)."""
+    thread count, both multiply random rows (``AGREEMENT_ROWS``) and must agree bit for bit (NaN
+    where the other has NaN); the answer is kept on the weight as (threads, answer, the address of
+    the reordered bytes, (N, K))."""
     threads = torch.get_num_threads()
     known = getattr(weight, "_amx_agrees", None)
     if known is None or known[0] != threads:
@@ -222,10 +230,16 @@ def amx_agrees(weight: torch.Tensor) -> bool:
         for rows in AGREEMENT_ROWS if ok else ():
             x = torch.randn(rows, k, generator=gen).bfloat16()
             y = ops().linear_amx(x, address, n)
-            ok = ok and y is not None and torch.equal(y, onednn.linear(x, weight))
-        known = (threads, ok, address)
+            ok = ok and y is not None and same_bits(y, onednn.linear(x, weight))
+        known = (threads, ok, address, (n, k))
         weight._amx_agrees = known
     return known[1]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Are ``a`` and ``b`` the same values, NaN where the other is NaN (a weight whose probe rows
+    overflow still agrees)?"""
+    return a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -301,6 +315,27 @@ def greedy_health(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.shape[1] == 0:
         return None
     return tuple(ops().greedy_health(logits))
+
+
+def lm_head(x: torch.Tensor, weight: torch.Tensor,
+            out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The LM head with greedy sampling's read fused: ``out.copy_(linear(x, weight))`` (float32
+    logits [rows, N], contiguous) and ``greedy_health(out)``, the same bits, in one pass: each
+    row's argmax and health code are made while its logits are stored (csrc/greedy.h), so no second
+    read of the logits follows. For a weight the set multiplies in its own kernel (AMX tiles up to
+    ``AMX_ROWS`` rows, panels below ``WIDEN_ROWS``); None, with nothing written, for the rest."""
+    rows = x.shape[0] if x.dim() == 2 else -1
+    if not (out.dtype == torch.float32 and out.is_contiguous() and out.shape[0] == rows and x.is_cpu and out.is_cpu):
+        return None
+    if weight.is_mkldnn:
+        if not (x.dtype == torch.bfloat16 and rows <= AMX_ROWS and amx_agrees(weight)):
+            return None
+        found = ops().lm_head_amx(x, weight._amx_agrees[2], weight.shape[0], out)
+    elif weight.dim() == 3 and x.dtype in HALF_OR_FLOAT:       # 16-column panels
+        found = ops().lm_head_packed(x, weight, out, WIDEN_ROWS)
+    else:
+        return None
+    return None if found[0] is None else found
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

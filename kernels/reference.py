@@ -155,3 +155,24 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def health_codes(logits: torch.Tensor) -> torch.Tensor:
+    """Per row: 0 healthy, 1 non-finite, 2 all zero, 3 all equal (int64, on the device)."""
+    hi, lo = logits.amax(dim=-1), logits.amin(dim=-1)                   # [rows]
+    if logits.is_cpu:
+        # torch's CPU max/min propagate NaN, so a row holds a NaN or an inf exactly when its max or
+        # min is not finite: two passes over the logits instead of four
+        nonfinite = ~(torch.isfinite(hi) & torch.isfinite(lo))
+    else:
+        nonfinite = ~torch.isfinite(logits).all(dim=-1)
+    equal = hi == lo
+    zero = equal & (hi == 0)
+    code = torch.where(zero, 2, torch.where(equal, 3, 0))
+    return torch.where(nonfinite, 1, code).to(torch.int64)
+
+
+def greedy_health(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``logits.argmax(-1)``, ``health_codes(logits)``) of logits [rows, vocab]: greedy sampling's
+    token and the stream-health code of every row, on the logits' device."""
+    return logits.argmax(dim=-1), health_codes(logits)

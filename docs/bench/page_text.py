@@ -24,7 +24,9 @@ FAST = """## What makes qwen-npu fast here
 - Plain weights live in one 2 MiB-aligned arena advised for transparent huge pages.
 - q/k head norms and RoPE run as one kernel, SiLU-mul as another, on 16 lanes where the CPU has
   AVX-512 (`csrc/elementwise_avx512.cpp`, the bits of the 8-lane kernels); greedy sampling and
-  the logits health check share one read of the logits (`csrc/greedy.cpp`).
+  the logits health check share one read of the logits (`csrc/greedy.cpp`), and in a step
+  sampled in the call that runs it, the LM head's own pass makes them as it stores the logits
+  (`lm_head`, `csrc/greedy.h`).
 - The scheduler does not admit a prompt in the step where another row is computing the
   blocks it starts with: it waits a step and takes them from the prefix cache.
 - Device outputs: one int64 per row crosses to the host per step.

@@ -13,19 +13,26 @@
 // for a weight where they differ). The caller passes the address of a weight reordered so.
 // Compiled with function attributes; called only where the CPU has AMX bf16 and Linux granted
 // the tile state.
+//
+// The LM head's form (linear_amx_logits_kernel) stores the same bf16 values widened to fp32 into
+// the logits and scans each block's rows as they are stored (greedy.h): greedy sampling and the
+// health check then need no second read of the logits.
 #include "amx.h"
-#include "vec.h"
+#include "greedy.h"
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace qwen_npu_cpu {
 
 #ifdef QN_AMX_TILES
 namespace {
 
-// Output blocks [b0, b1) of 32 columns: y[:, 32 b .. 32 b + 32) for M <= 16 rows of x.
+// Output blocks [b0, b1) of 32 columns: y[:, 32 b .. 32 b + 32) for M <= 16 rows of x, as bf16
+// (y), or as the bf16 values widened to fp32 (logits, each row's blocks scanned into scans[row]).
 QN_AMX void blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int64_t b0, int64_t b1,
-                   c10::BFloat16* y) {
+                   c10::BFloat16* y, float* logits = nullptr, greedy::Scan* scans = nullptr) {
   amx::TileConfig cfg{};
   cfg.palette = 1;
   const auto m = static_cast<uint8_t>(M);
@@ -47,10 +54,20 @@ QN_AMX void blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, i
     }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
-    for (int64_t r = 0; r < M; ++r)
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + b * 32 + h * 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[h] + r * 16)));
+    for (int64_t r = 0; r < M; ++r) {
+      if (logits == nullptr) {
+        for (int h = 0; h < 2; ++h)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + b * 32 + h * 16),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[h] + r * 16)));
+        continue;
+      }
+      float* out = logits + r * N + b * 32;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i bf = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[h] + r * 16));
+        _mm512_storeu_ps(out + h * 16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16)));
+      }
+      greedy::scan(scans[r], out, 32, b * 32);
+    }
   }
   _tile_release();
 }
@@ -65,10 +82,27 @@ bool linear_amx_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* 
   return true;
 }
 
+bool linear_amx_logits_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* logits,
+                              int64_t* ids, int64_t* codes) {
+  if (M < 1 || M > 16 || K % 32 != 0 || N % 32 != 0 || !linear_amx_available()) return false;
+  // One consecutive run of blocks per part, so that the parts' scans merge in column order.
+  const int64_t nb = N / 32, parts = std::min<int64_t>(at::get_num_threads(), nb);
+  std::vector<greedy::Scan> scans(parts * M);               // [part][row]
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      blocks(x, M, K, w, N, p * nb / parts, (p + 1) * nb / parts, nullptr, logits, scans.data() + p * M);
+  });
+  for (int64_t r = 0; r < M; ++r) greedy::finish(scans.data() + r, parts, M, ids + r, codes + r);
+  return true;
+}
+
 #else
 
 bool linear_amx_available() { return false; }
 bool linear_amx_kernel(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, c10::BFloat16*) { return false; }
+bool linear_amx_logits_kernel(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t*, int64_t*) {
+  return false;
+}
 
 #endif
 

@@ -16,14 +16,20 @@
 //                                widened into fp32 once, x packed in 6-row groups: prefill,
 //                                bound by the multiply-adds.
 //
+// The LM head's form (linear_packed_logits_kernel, few rows) stores the bf16-rounded values widened
+// to fp32 into the logits and scans each row as it is stored (greedy.h), so that greedy sampling
+// and the health check need no second read of the logits.
+//
 // Every output is one fp32 sum per block of LINEAR_KC values of k, in k order, and the blocks'
 // sums are added in order, rounded once to y's dtype as it is stored: the same bits for every
 // number of rows, every split between the threads and both layouts (the cpu set's products on
 // panels are batch invariant). Under torch.set_flush_denormal(True), which sets the mode of the
 // calling thread only, the other threads keep subnormals, as in torch's own kernels.
 #include "elementwise.h"
+#include "greedy.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace qwen_npu_cpu {
@@ -84,45 +90,66 @@ using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t
                         const float*);
 constexpr TileFn TILE[GROUP + 1] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>};
 
+// Work items [i0, i1) of PANELS panels each (outputs [16 PANELS i0, 16 PANELS i1)) for few rows.
+// Logits (Y float, ``scans`` set): the sums rounded to bf16 and widened back as they are stored,
+// each row's stored values scanned into scans[row] (greedy.h).
+template <typename Y>
+void few_items(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y, int64_t i0, int64_t i1,
+               greedy::Scan* scans) {
+  const int64_t ldp = 16 * K;
+  // acc: the sums of the blocks done; part: those of the block under way  [panel][row][16]
+  std::vector<float> acc(PANELS * M * 16), part(M > GROUP ? PANELS * M * 16 : 0);
+  for (int64_t item = i0; item < i1; ++item) {
+    const int64_t p0 = item * PANELS, np = std::min(PANELS, P - p0);
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0);
+      const uint16_t* b = w + (p0 * K + k0) * 16;
+      float* sums = acc.data();
+      const float* done = k0 > 0 ? sums : nullptr;
+      if (M == 1 && np == PANELS) {
+        tile<1, PANELS>(x + k0, K, b, ldp, kc, sums, 16, nullptr, done);
+        continue;
+      }
+      // Several passes of 6 rows: they take CHUNK values of k in turn, so that each chunk of
+      // weights is read from memory once and then served from L1 to the other passes while the
+      // next one streams in (a whole block per pass leaves memory idle for two passes of three).
+      const int64_t chunk = M > GROUP ? CHUNK : kc;
+      for (int64_t c0 = 0; c0 < kc; c0 += chunk) {
+        const int64_t ch = std::min(chunk, kc - c0);
+        const bool first = c0 == 0, last = c0 + ch >= kc;
+        for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
+          const int64_t mr = std::min(GROUP, M - m0), at = m0 * 16;
+          for (int64_t j = 0; j < np; ++j)
+            TILE[mr](x + m0 * K + k0 + c0, K, b + j * ldp + c0 * 16, ldp, ch,
+                     (last ? sums : part.data()) + j * M * 16 + at, M * 16,
+                     first ? nullptr : part.data() + j * M * 16 + at,
+                     last && done ? done + j * M * 16 + at : nullptr);
+        }
+      }
+    }
+    if constexpr (std::is_same_v<Y, float>) {
+      if (scans != nullptr) {
+        for (int64_t r = 0; r < M; ++r) {
+          float* out = y + r * 16 * P + p0 * 16;
+          for (int64_t j = 0; j < np; ++j)
+            for (int h = 0; h < 2; ++h)
+              _mm256_storeu_ps(out + j * 16 + h * 8, elementwise::round8<c10::BFloat16>(
+                                                         _mm256_loadu_ps(acc.data() + (j * M + r) * 16 + h * 8)));
+          greedy::scan(scans[r], out, np * 16, p0 * 16);
+        }
+        continue;
+      }
+    }
+    for (int64_t j = 0; j < np; ++j)
+      elementwise::store_rows16(acc.data() + j * M * 16, M, y + (p0 + j) * 16, 16 * P);
+  }
+}
+
 // Outputs [0, 16 P) for few rows: work items of PANELS panels spread over the threads.
 template <typename Y>
 void linear_few(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y) {
-  const int64_t items = (P + PANELS - 1) / PANELS, ldp = 16 * K;
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    // acc: the sums of the blocks done; part: those of the block under way  [panel][row][16]
-    std::vector<float> acc(PANELS * M * 16), part(M > GROUP ? PANELS * M * 16 : 0);
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t p0 = item * PANELS, np = std::min(PANELS, P - p0);
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        const uint16_t* b = w + (p0 * K + k0) * 16;
-        float* sums = acc.data();
-        const float* done = k0 > 0 ? sums : nullptr;
-        if (M == 1 && np == PANELS) {
-          tile<1, PANELS>(x + k0, K, b, ldp, kc, sums, 16, nullptr, done);
-          continue;
-        }
-        // Several passes of 6 rows: they take CHUNK values of k in turn, so that each chunk of
-        // weights is read from memory once and then served from L1 to the other passes while the
-        // next one streams in (a whole block per pass leaves memory idle for two passes of three).
-        const int64_t chunk = M > GROUP ? CHUNK : kc;
-        for (int64_t c0 = 0; c0 < kc; c0 += chunk) {
-          const int64_t ch = std::min(chunk, kc - c0);
-          const bool first = c0 == 0, last = c0 + ch >= kc;
-          for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
-            const int64_t mr = std::min(GROUP, M - m0), at = m0 * 16;
-            for (int64_t j = 0; j < np; ++j)
-              TILE[mr](x + m0 * K + k0 + c0, K, b + j * ldp + c0 * 16, ldp, ch,
-                       (last ? sums : part.data()) + j * M * 16 + at, M * 16,
-                       first ? nullptr : part.data() + j * M * 16 + at,
-                       last && done ? done + j * M * 16 + at : nullptr);
-          }
-        }
-      }
-      for (int64_t j = 0; j < np; ++j)
-        elementwise::store_rows16(acc.data() + j * M * 16, M, y + (p0 + j) * 16, 16 * P);
-    }
-  });
+  at::parallel_for(0, (P + PANELS - 1) / PANELS, 1,
+                   [&](int64_t i0, int64_t i1) { few_items(x, M, K, w, P, y, i0, i1, nullptr); });
 }
 
 }  // namespace
@@ -133,6 +160,20 @@ void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* 
   if (M >= widen_rows) return linear_panels_packed(x, M, K, w, P, y);
   linear_few(x, M, K, w, P, y);
 }
+bool linear_packed_logits_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* logits,
+                                 int64_t* ids, int64_t* codes, int64_t widen_rows) {
+  if (M < 1 || M >= widen_rows || P < 1) return false;
+  // One consecutive run of items per part, so that the parts' scans merge in column order.
+  const int64_t items = (P + PANELS - 1) / PANELS, parts = std::min<int64_t>(at::get_num_threads(), items);
+  std::vector<greedy::Scan> scans(parts * M);               // [part][row]
+  at::parallel_for(0, parts, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q)
+      few_items(x, M, K, w, P, logits, q * items / parts, (q + 1) * items / parts, scans.data() + q * M);
+  });
+  for (int64_t r = 0; r < M; ++r) greedy::finish(scans.data() + r, parts, M, ids + r, codes + r);
+  return true;
+}
+
 template void linear_packed_kernel<float>(const float*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t);
 template void linear_packed_kernel<c10::BFloat16>(const float*, int64_t, int64_t, const uint16_t*, int64_t,
                                                   c10::BFloat16*, int64_t);

@@ -264,6 +264,56 @@ torch::Tensor linear_amx(torch::Tensor x, int64_t weight_address, int64_t n) {
   return y;
 }
 
+// The LM head's forms of the two products above: x [M, K] times the weights into ``logits``
+// [M, N] float32 (contiguous rows; the product's values, widened), returning each row's (argmax,
+// health code) made as the logits are stored; undefined tensors (nothing written) where the
+// kernel cannot take the call.
+namespace {
+void check_logits(const torch::Tensor& x, const torch::Tensor& logits, int64_t n, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "cpu ", name, ": x must be a 2-D cpu tensor, got ", x.sizes());
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.size(0) == x.size(0) && logits.size(1) == n && logits.stride(1) == 1 &&
+                  logits.stride(0) == n,
+              "cpu ", name, ": logits must be a contiguous float32 cpu tensor [", x.size(0), ", ", n, "], got ",
+              logits.sizes(), " ", logits.scalar_type(), " strides ", logits.strides());
+}
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> lm_head_amx(torch::Tensor x, int64_t weight_address, int64_t n,
+                                                     torch::Tensor logits) {
+  check_logits(x, logits, n, "lm_head_amx");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "cpu lm_head_amx: x must be bfloat16, got ", x.scalar_type());
+  auto xc = x.contiguous();
+  auto ids = torch::empty({xc.size(0)}, xc.options().dtype(at::kLong));
+  auto codes = torch::empty({xc.size(0)}, xc.options().dtype(at::kLong));
+  const auto* w = reinterpret_cast<const uint16_t*>(static_cast<uintptr_t>(weight_address));
+  if (!linear_amx_logits_kernel(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), xc.size(0),
+                                xc.size(1), w, n, logits.data_ptr<float>(), ids.data_ptr<int64_t>(),
+                                codes.data_ptr<int64_t>()))
+    return {torch::Tensor(), torch::Tensor()};
+  return {ids, codes};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> lm_head_packed(torch::Tensor x, torch::Tensor panels, torch::Tensor logits,
+                                                        int64_t widen_rows) {
+  TORCH_CHECK(panels.device().is_cpu() && panels.dim() == 3 && panels.size(2) == 16 &&
+                  panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && x.size(-1) == panels.size(1),
+              "cpu lm_head_packed: panels must be a contiguous bf16 [P, K, 16] tensor matching x [M, K], got ",
+              panels.sizes(), " and ", x.sizes());
+  check_logits(x, logits, 16 * panels.size(0), "lm_head_packed");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "cpu lm_head_packed: x must be bfloat16 or float32, got ", x.scalar_type());
+  auto x2 = x.to(at::kFloat).contiguous();
+  auto ids = torch::empty({x2.size(0)}, x2.options().dtype(at::kLong));
+  auto codes = torch::empty({x2.size(0)}, x2.options().dtype(at::kLong));
+  if (!linear_packed_logits_kernel(x2.data_ptr<float>(), x2.size(0), x2.size(1),
+                                   reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), panels.size(0),
+                                   logits.data_ptr<float>(), ids.data_ptr<int64_t>(), codes.data_ptr<int64_t>(),
+                                   widen_rows))
+    return {torch::Tensor(), torch::Tensor()};
+  return {ids, codes};
+}
+
 std::tuple<torch::Tensor, torch::Tensor> greedy_health(torch::Tensor logits) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
               "cpu greedy_health: logits must be a 2-D float32 cpu tensor, got ", logits.sizes(), " ",
@@ -286,6 +336,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &qwen_npu_cpu::bf16_dot_available, "was the AVX512-BF16 linear compiled in?");
   m.def("has_amx_linear", &qwen_npu_cpu::linear_amx_available, "was the AMX linear compiled in, with the tiles granted?");
   m.def("linear_amx", &qwen_npu_cpu::linear_amx, "y = x @ w.T for up to 16 bf16 rows, w in oneDNN's blocked layout");
+  m.def("lm_head_amx", &qwen_npu_cpu::lm_head_amx,
+        "linear_amx into float32 logits, with each row's (argmax, health code) made as they are stored");
+  m.def("lm_head_packed", &qwen_npu_cpu::lm_head_packed,
+        "linear_packed (few rows) into float32 logits, with each row's (argmax, health code) made as they are stored");
   m.def("greedy_health", &qwen_npu_cpu::greedy_health, "(argmax, health code) per row of float32 logits");
   m.def("fma_peak", &qwen_npu_cpu::fma_peak, "(GFLOP/s, checksum) of register-resident multiply-adds on every thread");
   m.def("peak_has_avx512", &qwen_npu_cpu::peak_has_avx512, "were the AVX-512 peak loops compiled in?");

@@ -161,6 +161,11 @@ constexpr int64_t LINEAR_KC = 256;    // k per block of both kernels' sums (16 x
 template <typename Y>
 void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y,
                           int64_t widen_rows);
+// the same for few rows (M < widen_rows) into float32 logits [M, 16 P] (the bf16-rounded values,
+// widened), with each row's argmax and health code made as the outputs are stored (greedy.h);
+// false (nothing written) from widen_rows rows on
+bool linear_packed_logits_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* logits,
+                                 int64_t* ids, int64_t* codes, int64_t widen_rows);
 template <typename Y>
 void linear_panels_packed(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y);
 // linear_bf16.cpp: bf16 x and w with AVX512-BF16 dot products (call only where the CPU has them)
@@ -170,6 +175,10 @@ void linear_bf16_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t*
 // false (nothing written) where the shape, the build or the process cannot take it
 bool linear_amx_available();
 bool linear_amx_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, c10::BFloat16* y);
+// the same into float32 logits [M, N] (the bf16 values, widened), with each row's argmax and
+// health code made as the outputs are stored (greedy.h)
+bool linear_amx_logits_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* logits,
+                              int64_t* ids, int64_t* codes);
 // greedy.cpp: per row of float32 logits its argmax and health code, in one read
 void greedy_health_kernel(const float* x, int64_t rows, int64_t vocab, int64_t* ids, int64_t* codes);
 // peak.cpp: the compute peak of register-resident multiply-adds on every thread

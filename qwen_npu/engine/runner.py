@@ -16,7 +16,8 @@ are never read or written by it::
     input_ids  [max_batch]   | r0 | r1 | r2 | .. untouched .. |
                               \\_ view [:3] _/
 
-Output buffers (logits, next-hidden) live on the device and are cached by key
+Output buffers (logits, next-hidden, and for a step sampled in the call that runs it each logits
+row's argmax and health code, "greedy") live on the device and are cached by key
 (kind, name, capacity, width, dtype, pair). Each kind has two pairs: a step writes the pair
 that the last committed step of its kind did not, so a step that fails half way never touches
 the logits a user still holds. Committing a step bumps the generations of both pairs of its kind,
@@ -163,6 +164,7 @@ class DispatchBuffers:
                                                                   torch.float32, pair).tensor
                 self.tensors[pre + "hidden" + tail] = self.output(kind, "hidden", rows, hidden_size,
                                                                   hidden_dtype, pair).tensor
+                self.tensors[pre + "greedy" + tail] = self.output(kind, "greedy", rows, 2, torch.int64, pair).tensor
 
     def output(self, kind: str, name: str, capacity: int, width: int, dtype: torch.dtype,
                pair: int = 0) -> OutputBuffer:
@@ -244,26 +246,32 @@ class ModelRunner:
         """The KVGuard of a step that overwrites the committed ``blocks``."""
         return KVGuard(self.kv_cache, blocks, staging)
 
-    def dispatch(self, plan: StepPlan, timings: dict, transfers: dict, *,
-                 hook: Hook | None = None, guard: KVGuard | None = None) -> tuple[OutputBuffer, OutputBuffer]:
-        """Run the plan; returns the (logits, hidden) buffers its logits rows were written to. The
-        caller runs it under ``torch.no_grad()``; ``guard`` is the step's (a tensor-parallel runner
-        has every rank copy its blocks)."""
+    def dispatch(self, plan: StepPlan, timings: dict, transfers: dict, *, hook: Hook | None = None,
+                 guard: KVGuard | None = None, greedy: bool = False
+                 ) -> tuple[OutputBuffer, OutputBuffer, torch.Tensor | None]:
+        """Run the plan; returns the (logits, hidden) buffers its logits rows were written to, and
+        with ``greedy`` (the step is sampled in the same call) each logits row's argmax and health
+        code, [rows, 2] int64 on the device (the model's ``greedy_out``). The caller runs it under
+        ``torch.no_grad()``; ``guard`` is the step's (a tensor-parallel runner has every rank copy
+        its blocks)."""
         t0 = time.perf_counter()
         meta = self.fill(plan, transfers)
-        logits_buf, hidden_buf = self.outputs(buffer_set(plan.kind))
-        pre = "" if buffer_set(plan.kind) == "decode" else "prefill."
+        kind = buffer_set(plan.kind)
+        logits_buf, hidden_buf = self.outputs(kind)
+        pre = "" if kind == "decode" else "prefill."
         b, out_rows = self.buffers, len(plan.logits_index)
+        greedy_out = b.output(kind, "greedy", b.max_logits[kind], 2, torch.int64, b.spare(kind)).tensor[:out_rows] \
+            if greedy else None
         self.end_phase()
         t1 = time.perf_counter()
         timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
         kv = list(zip(self.kv_cache.keys, self.kv_cache.values))             # [(key, value)] per layer
         self.model(b.view(pre + "input_ids", plan.num_tokens), meta, kv, b.view(pre + "logits_index", out_rows),
                    logits_out=logits_buf.tensor[:out_rows], hidden_out=hidden_buf.tensor[:out_rows],
-                   hook=hook)
+                   greedy_out=greedy_out, hook=hook)
         self.end_phase()
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
-        return logits_buf, hidden_buf
+        return logits_buf, hidden_buf, greedy_out
 
     def fill(self, plan: StepPlan, transfers: dict) -> AttentionMetadata:
         """Copy the plan into rows [0, n) of its buffer set; returns metadata over views [:n]."""

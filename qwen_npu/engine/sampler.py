@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.reference import health_codes
 from .request import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -148,21 +149,6 @@ def pack(ids: torch.Tensor, logits: torch.Tensor, ks: list[int | None], codes: t
         first = host[:, 0]
         return first & 0xFFFFFFFF, (first >> 32).tolist(), logprobs.unpack(host, ks)
     return packed, unpack_logprobs
-
-
-def health_codes(logits: torch.Tensor) -> torch.Tensor:
-    """Per row: 0 healthy, 1 non-finite, 2 all zero, 3 all equal (int64, on the device)."""
-    hi, lo = logits.amax(dim=-1), logits.amin(dim=-1)                   # [rows]
-    if logits.is_cpu:
-        # torch's CPU max/min propagate NaN, so a row holds a NaN or an inf exactly when its max or
-        # min is not finite: two passes over the logits instead of four
-        nonfinite = ~(torch.isfinite(hi) & torch.isfinite(lo))
-    else:
-        nonfinite = ~torch.isfinite(logits).all(dim=-1)
-    equal = hi == lo
-    zero = equal & (hi == 0)
-    code = torch.where(zero, 2, torch.where(equal, 3, 0))
-    return torch.where(nonfinite, 1, code).to(torch.int64)
 
 
 def mask_early_stops(logits: torch.Tensor, reqs, pinned=None) -> tuple[torch.Tensor, int]:

@@ -139,8 +139,8 @@ def run_step(sess, schedule, action: str, *, sample: bool, force: dict | None = 
     try:
         region = held_interrupts().interruptible() if engine.runner.interruptible else contextlib.nullcontext()
         with torch.no_grad(), region:                                   # entered in this order, left whole
-            logits_buf, hidden_buf = engine.runner.dispatch(plan, timings, transfers, hook=step_hook,   # 4
-                                                            guard=guard)
+            logits_buf, hidden_buf, greedy = engine.runner.dispatch(                   # 4 dispatch
+                plan, timings, transfers, hook=step_hook, guard=guard, greedy=sample and not plan.num_drafts)
         fault_point("dispatched")
         t1 = time.perf_counter()
         writes = book(engine, plan, draft, step_hook)                                # 5 book
@@ -149,7 +149,7 @@ def run_step(sess, schedule, action: str, *, sample: bool, force: dict | None = 
         sampled = None
         if sample and step.logits is not None:
             sampled = sample_rows(step, draft, sess._generators, force, engine.model.kernels,   # 6 sample
-                                  engine.buffers)
+                                  engine.buffers, greedy)
         fault_point("commit")
         c = Commit(draft=draft, ledger=writes, outputs=buffer_set(plan.kind), step=step, sampled=sampled,
                    session=sess, hooks_step=plan.index)
@@ -238,8 +238,10 @@ def result(engine, plan, draft, logits_buf, hidden_buf, problems, timings, trans
 
 
 def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dict | None, kernels,
-                buffers) -> Sampled:
+                buffers, greedy: torch.Tensor | None = None) -> Sampled:
     """Sample every logits row of ``step`` on the device and stage the tokens on ``draft``.
+    ``greedy``: the rows' argmax and health codes [rows, 2], when the forward made them
+    (``dispatch(greedy=True)``); otherwise they are read from the logits here.
 
     The one host sync: a single int64 per row, the token id with the row's health code in its
     upper 32 bits (``2 + k`` int64 when a row records log-probabilities, see ``logprobs.py``).
@@ -258,9 +260,11 @@ def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dic
     with buffers.writing("sample"):
         allowed, h2d_mask = sampler.mask_early_stops(logits, reqs, pinned)
         greedy_ids = codes = None
-        fused = getattr(kernels, "greedy_health", None)      # a kernel set's argmax and health in one read
-        if fused is not None and allowed is logits:
-            greedy_ids, codes = fused(logits) or (None, None)
+        if greedy is not None:                               # made by the forward, as it wrote the logits
+            greedy = greedy[:logits.shape[0]]                # the rows exposed (not replicate padding)
+            greedy_ids, codes = greedy[:, 0] if allowed is logits else None, greedy[:, 1]
+        elif allowed is logits and getattr(kernels, "greedy_health", None) is not None:
+            greedy_ids, codes = kernels.greedy_health(logits) or (None, None)   # a set's argmax and health, one read
         gens = [draft.generator(r.id, generators) for r in reqs]
         ids, h2d = sampler.sample(allowed, [r.sampling for r in reqs], gens, greedy_ids, pinned)
         fault_point("sampled")

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..kernels import onednn, panels
+from ..kernels import onednn, panels, reference
 from ..kernels.invariant import BatchInvariant
 from ..kernels.metadata import AttentionMetadata
 from .arena import concat_rows
@@ -114,13 +114,16 @@ class Qwen3Model:
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_index: torch.Tensor, *,
                 logits_out: torch.Tensor | None = None, hidden_out: torch.Tensor | None = None,
-                hook: Hook | None = None) -> torch.Tensor:
+                greedy_out: torch.Tensor | None = None, hook: Hook | None = None) -> torch.Tensor:
         """Compute one step and return the logits of the tokens in ``logits_index``.
 
         input_ids [tokens] (int64); logits_index [rows_out] indices into the step's tokens;
         kv_caches: per layer (key_cache, value_cache). The K/V of every token is written at
         ``meta.slot_mapping`` before attention reads it. ``logits_out`` [rows_out, vocab] and
         ``hidden_out`` [rows_out, hidden] are optional preallocated outputs (written in place).
+        ``greedy_out`` [rows_out, 2] int64, optional: each row's argmax and health code
+        (``kernels.reference.greedy_health``) of the logits returned; a kernel set with
+        ``lm_head`` makes them as it writes ``logits_out``, without reading the logits again.
         """
         k_ = self.kernels
         linear = getattr(k_, "linear", _linear)      # a kernel set may bring its own (F.linear's contract)
@@ -177,7 +180,11 @@ class Qwen3Model:
         h = tap("final_norm", h)
         if hidden_out is not None:
             hidden_out.copy_(h)
-        if (logits_out is not None and logits_out.dtype == h.dtype and self.head.dim() == 2
+        lm_head = getattr(k_, "lm_head", None) if greedy_out is not None and logits_out is not None else None
+        greedy = lm_head(h, self.head, logits_out) if lm_head is not None else None   # logits + argmax, one pass
+        if greedy is not None:
+            logits = logits_out
+        elif (logits_out is not None and logits_out.dtype == h.dtype and self.head.dim() == 2
                 and not self.head.is_mkldnn and not invariant):    # torch.mm rounds rows by their number
             logits = torch.mm(h, self.head.t(), out=logits_out)             # [rows_out, vocab]
         else:
@@ -187,6 +194,12 @@ class Qwen3Model:
         edited = tap("logits", logits)
         if edited is not logits:
             logits = logits_out.copy_(edited) if logits_out is not None else edited
+            greedy = None
+        if greedy_out is not None:
+            if greedy is None:               # a set's own read of the logits where it has one, else torch's
+                greedy = getattr(k_, "greedy_health", reference.greedy_health)(logits) or reference.greedy_health(logits)
+            greedy_out[:, 0].copy_(greedy[0])
+            greedy_out[:, 1].copy_(greedy[1])
         return logits
 
     __call__ = forward

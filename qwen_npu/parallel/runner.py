@@ -53,11 +53,11 @@ class ParallelRunner(ModelRunner):
     def guard(self, blocks, staging, plan) -> ParallelKVGuard:
         return ParallelKVGuard(self.kv_cache, blocks, staging, self.group, plan.index)
 
-    def dispatch(self, plan, timings, transfers, *, hook=None, guard=None):
+    def dispatch(self, plan, timings, transfers, *, hook=None, guard=None, greedy=False):
         with self.group.exchange(f"step {plan.index}"):
-            return self._dispatch(plan, timings, transfers, hook, guard)
+            return self._dispatch(plan, timings, transfers, hook, guard, greedy)
 
-    def _dispatch(self, plan, timings, transfers, hook, guard):
+    def _dispatch(self, plan, timings, transfers, hook, guard, greedy):
         wanted = frozenset(n for n in self.names if hook.wants(n)) if hook is not None else frozenset()
         message = plan_message(plan)
         self.group.send_step({"index": plan.index, "plan": message, "wanted": sorted(wanted - set(RANK0_POINTS)),
@@ -68,7 +68,7 @@ class ParallelRunner(ModelRunner):
             raise TensorParallelError(describe_mismatch(plan.index, message, hashes, answers))
         gathering = GatheringHook(hook, wanted, self.comms) if wanted else None
         try:
-            out = super().dispatch(plan, timings, transfers, hook=gathering)
+            out = super().dispatch(plan, timings, transfers, hook=gathering, greedy=greedy)
         except Exception as e:
             raise self.group.lost_during(f"the forward of step {plan.index}", e) from e
         failed = [(r, why) for r, kind, why in self.group.finish_step(plan.index) if kind != "done"]

@@ -192,22 +192,38 @@ def test_greedy_health_declines_what_it_does_not_take():
     assert ids.shape == codes.shape == (0,)
 
 
-def test_a_session_samples_the_same_tokens_and_health_with_and_without_the_fused_read(monkeypatch, tmp_path):
-    """Greedy and seeded rows, a row under min_new_tokens (masked logits: the fused read is not
-    used for it), through the cpu set with and without greedy_health."""
-    path = make_tiny_qwen3(tmp_path / "m", vocab_size=300)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_session_samples_the_same_tokens_and_health_with_and_without_the_fused_reads(monkeypatch, tmp_path,
+                                                                                      dtype):
+    """Greedy and seeded rows, a row under min_new_tokens (masked logits: the fused argmax is not
+    used for it), through the cpu set with its LM head's fused read (``lm_head``, which holds a
+    bf16 model's head), without it (``greedy_health`` over the logits), and without either:
+    the same tokens, health and logits."""
+    path = make_tiny_qwen3(tmp_path / "m", vocab_size=320, dtype=getattr(torch, dtype))
     prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
     params = [SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
               SamplingParams(max_new_tokens=6, temperature=0.9, seed=3, ignore_eos=True),
               SamplingParams(max_new_tokens=6, temperature=0.0, min_new_tokens=3)]
-    calls = []
-    real = cpu.greedy_health
-    monkeypatch.setattr(cpu, "greedy_health", lambda x: calls.append(x.shape) or real(x))
+    calls = {"lm_head": 0, "greedy_health": 0}
+
+    def counted(name):
+        real = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a: calls.__setitem__(name, calls[name] + 1) or real(*a))
+    counted("lm_head")
+    counted("greedy_health")
 
     def run():
-        with Session.from_pretrained(path, kernels="cpu") as sess:
-            return [(c.token_ids, c.finish_reason) for c in sess.generate(prompts, params, progress=False)]
+        with Session.from_pretrained(path, kernels="cpu", dtype=dtype) as sess:
+            out = [(c.token_ids, c.finish_reason) for c in sess.generate(prompts, params, progress=False)]
+            return out, [s.health for s in sess.history], sess.history[-1].logits.to_host()
     fused = run()
-    assert calls, "the cpu set's greedy_health was not used"
+    if dtype == "bfloat16":                  # the head held in the set's own form: the LM head reads
+        assert calls["lm_head"] >= 6 and calls["greedy_health"] == 0, calls
+    else:                                    # a plain float32 head: the logits are read once after it
+        assert calls["greedy_health"] >= 6, calls
+    monkeypatch.delattr(cpu, "lm_head")
+    second = run()
     monkeypatch.delattr(cpu, "greedy_health")
-    assert run() == fused
+    for other in (second, run()):
+        assert other[:2] == fused[:2]
+        assert torch.equal(other[2], fused[2])
