@@ -8,9 +8,11 @@
 //   code    0 healthy, 1 a NaN or an inf, 2 all zero, 3 all equal (engine/sampler.py)
 #pragma once
 #include "vec.h"
+#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace qwen_npu_cpu {
 namespace greedy {
@@ -100,6 +102,19 @@ inline void finish(const Scan* parts, int64_t count, int64_t stride, int64_t* id
   if (!std::isfinite(hi) || !std::isfinite(lo)) *code = 1;
   else if (hi == lo) *code = hi == 0.0f ? 2 : 3;
   else *code = 0;
+}
+
+// A product's LM head form: run(i0, i1, scans) computes and stores work items [i0, i1), scanning
+// its M rows into scans[0, M); the items are split into one consecutive run per thread, so that
+// the runs' scans merge in column order into ids and codes.
+template <typename Run>
+void in_runs(int64_t items, int64_t M, const Run& run, int64_t* ids, int64_t* codes) {
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), items);
+  std::vector<Scan> scans(parts * M);               // [part][row]
+  at::parallel_for(0, parts, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) run(q * items / parts, (q + 1) * items / parts, scans.data() + q * M);
+  });
+  for (int64_t r = 0; r < M; ++r) finish(scans.data() + r, parts, M, ids + r, codes + r);
 }
 
 }  // namespace greedy

@@ -20,9 +20,7 @@
 #include "amx.h"
 #include "greedy.h"
 #include <ATen/Parallel.h>
-#include <algorithm>
 #include <cstring>
-#include <vector>
 
 namespace qwen_npu_cpu {
 
@@ -85,14 +83,9 @@ bool linear_amx_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* 
 bool linear_amx_logits_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* logits,
                               int64_t* ids, int64_t* codes) {
   if (M < 1 || M > 16 || K % 32 != 0 || N % 32 != 0 || !linear_amx_available()) return false;
-  // One consecutive run of blocks per part, so that the parts' scans merge in column order.
-  const int64_t nb = N / 32, parts = std::min<int64_t>(at::get_num_threads(), nb);
-  std::vector<greedy::Scan> scans(parts * M);               // [part][row]
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      blocks(x, M, K, w, N, p * nb / parts, (p + 1) * nb / parts, nullptr, logits, scans.data() + p * M);
-  });
-  for (int64_t r = 0; r < M; ++r) greedy::finish(scans.data() + r, parts, M, ids + r, codes + r);
+  greedy::in_runs(N / 32, M, [&](int64_t b0, int64_t b1, greedy::Scan* scans) {
+    blocks(x, M, K, w, N, b0, b1, nullptr, logits, scans);
+  }, ids, codes);
   return true;
 }
 

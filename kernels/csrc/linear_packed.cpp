@@ -163,14 +163,9 @@ void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* 
 bool linear_packed_logits_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* logits,
                                  int64_t* ids, int64_t* codes, int64_t widen_rows) {
   if (M < 1 || M >= widen_rows || P < 1) return false;
-  // One consecutive run of items per part, so that the parts' scans merge in column order.
-  const int64_t items = (P + PANELS - 1) / PANELS, parts = std::min<int64_t>(at::get_num_threads(), items);
-  std::vector<greedy::Scan> scans(parts * M);               // [part][row]
-  at::parallel_for(0, parts, 1, [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q)
-      few_items(x, M, K, w, P, logits, q * items / parts, (q + 1) * items / parts, scans.data() + q * M);
-  });
-  for (int64_t r = 0; r < M; ++r) greedy::finish(scans.data() + r, parts, M, ids + r, codes + r);
+  greedy::in_runs((P + PANELS - 1) / PANELS, M, [&](int64_t i0, int64_t i1, greedy::Scan* scans) {
+    few_items(x, M, K, w, P, logits, i0, i1, scans);
+  }, ids, codes);
   return true;
 }
 
