@@ -9,7 +9,7 @@ FAST = """## What makes qwen-npu fast here
   every product runs on it (fewer than four rows padded to four); attention runs on bf16 pairs,
   prefill tiles (`csrc/attention_bf16.cpp`) and decode tokens (`csrc/attention_decode_bf16.cpp`,
   K and V read straight from the cache and prefetched ahead; with AMX tiles the scores on the
-  tiles, `csrc/attention_decode_amx.cpp`), and with AMX tiles prefill rows run flash-style on the
+  tiles, `csrc/attention_decode_amx.cpp`, which prefetches only V), and with AMX tiles prefill rows run flash-style on the
   tiles (`csrc/attention_amx.cpp`, each row's K and V packed once into the tiles' layouts). Without native bf16: every bf16 matrix is packed
   once at load into 16-column panels (`kernels/panels.py`: for each k the 16 weights of 16
   outputs, ordered so that one load widens to fp32 exactly in registers), so no product
@@ -163,6 +163,14 @@ Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-04, 0.
   plain two-thread read of the same 32 KiB blocks in random order reaches 25 GB/s and a
   sequential one 30.6). Without prefetching V 16 positions ahead it took 54.7 ms; without
   prefetching K, no longer. The `mixed` workload's decode attention, timed per call: 5.7 to 5.2 s.
+- 2026-12-05, same kind of host, that decode attention on the tiles without prefetching K (V
+  still prefetched), interleaved with the kernel above, 16 rows, 28 layers in a row, best of 25,
+  ms: 512 positions each in their own blocks 42.1-43.6 against 46.2-47.5 (prefetching neither K
+  nor V: 41.8-43.7, no better); 16 rows sharing one 512-token prompt 12.9-14.6 against
+  16.7-17.1; batch 1 at 512 and batch 16 at 128 positions the same. Whole batch-16 decode steps
+  at context 512: 85.8-90.1 against 89.7-91.7 ms. The prefetch instructions stall the core
+  (where perf put a quarter of the kernel's samples), while the tiles' strided loads stream K on
+  their own.
 - Prefill attention on the tiles (`csrc/attention_amx.cpp`) against torch's SDPA and the bf16
   tile, one causal row, 16 query and 8 KV heads of 128, ms: 128 tokens 0.12-0.14 / 0.32 / 0.51,
   304 tokens 0.54-0.62 / 1.09 / 2.5, 512 tokens 1.25-1.41 / 2.14 / 6.5, 1024 tokens 4.2-4.9 / 6.6

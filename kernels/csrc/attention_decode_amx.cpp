@@ -20,7 +20,9 @@
 // Xeons that have AMX they issue at a quarter of the rate of fp32 FMAs, and the tile takes a
 // block's 16 scores in a few instructions. What is read, the masking and NaN propagation (a NaN
 // score leaves the max and reaches the output) are those of the fp32 kernel; no position past n is
-// read. attention.cpp calls it only where the caller asked for the tiles (``amx``).
+// read. K is not prefetched: the tiles' 16-row loads stream it on their own, and prefetching it
+// made the scores slower; V, read by vector loads, is prefetched PF_AHEAD positions ahead.
+// attention.cpp calls it only where the caller asked for the tiles (``amx``).
 #include "amx.h"
 #include "attention.h"
 #include "vec512.h"
@@ -122,7 +124,6 @@ QN_AMX void token(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BF
                                             _mm512_set1_epi32(16));
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t p0 = 0; p0 < n; p0 += 16) {
-    prefetch_rows(kc, pos, std::min(n, p0 + PF_AHEAD), std::min(n, p0 + PF_AHEAD + 16), kvh0, kvh1, g);
     bool strided = p0 + 16 <= n;
     for (int64_t i = 1; i < 16 && strided; ++i) strided = pos[p0 + i] == pos[p0] + i * g.pos_stride();
     for (int64_t k = 0; k < NK; ++k) {
