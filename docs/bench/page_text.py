@@ -9,8 +9,8 @@ FAST = """## What makes qwen-npu fast here
   every product runs on it (fewer than four rows padded to four); attention runs on bf16 pairs,
   prefill tiles (`csrc/attention_bf16.cpp`) and decode tokens (`csrc/attention_decode_bf16.cpp`,
   K and V read straight from the cache and prefetched ahead; with AMX tiles the scores on the
-  tiles, `csrc/attention_decode_amx.cpp`, which prefetches only V), and with AMX tiles prefill rows run flash-style on the
-  tiles (`csrc/attention_amx.cpp`, each row's K and V packed once into the tiles' layouts). Without native bf16: every bf16 matrix is packed
+  tiles, `csrc/attention_decode_amx.cpp`, which prefetches only V), and with AMX tiles prefill
+  rows run flash-style on the tiles (`csrc/attention_amx.cpp`, each row's K and V packed once into the tiles' layouts). Without native bf16: every bf16 matrix is packed
   once at load into 16-column panels (`kernels/panels.py`: for each k the 16 weights of 16
   outputs, ordered so that one load widens to fp32 exactly in registers), so no product
   transposes weights; decode streams each panel once for up to 6 rows (batch 1: four panels at
