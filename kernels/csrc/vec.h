@@ -151,7 +151,7 @@ inline void pack16(const W* const* rows, int64_t k0, int64_t kc, float* buf, int
 }
 
 // Kernels on raw pointers (linear.cpp, attention.cpp), instantiated for float and c10::BFloat16;
-// module.cpp checks and unpacks the tensors. Only module.cpp includes the torch headers.
+// module.cpp and products.cpp check and unpack the tensors; only they include the torch headers.
 template <typename W>
 void linear_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t panel_rows);
 // linear_packed.cpp: x times bf16 weights held as P 16-column panels (kernels/panels.py), y [M, 16 P]
