@@ -18,11 +18,17 @@ inline __m256i bf16_bits8(__m256 v) {
   return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
 }
 
-// v rounded to T's precision, kept in fp32 (what to_f(static_cast<T>(v)) gives, per lane).
+// v rounded to T's precision, kept in fp32 (what to_f(static_cast<T>(v)) gives, per lane): for
+// bf16 the rounding of bf16_bits8 with the low 16 bits cleared in place rather than shifted out
+// and back (the same bits, fewer instructions: the norms and the activation round every op).
 template <typename T> inline __m256 round8(__m256 v);
 template <> inline __m256 round8<float>(__m256 v) { return v; }
 template <> inline __m256 round8<c10::BFloat16>(__m256 v) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+  const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(sum, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
 // p[0..8) = static_cast<T>(v) per lane.

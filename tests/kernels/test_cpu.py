@@ -316,6 +316,28 @@ def test_rope_is_bit_identical_to_the_reference(dtype):
     assert torch.equal(bits(got_q), bits(want_q)) and torch.equal(bits(got_k), bits(want_k))
 
 
+def test_rope_rounds_every_bf16_bit_pattern_as_torch_does():
+    """Every 16-bit pattern as a q value (subnormals, infinities, NaNs with any payload), times
+    cos/sin of every magnitude: the products of two bf16 values tie exactly between two bf16
+    neighbours often, overflow to inf and underflow to subnormals, so each case of the kernel's
+    round-to-nearest-even (and NaN -> 0x7FC0) meets torch's conversion."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    q = patterns.reshape(256, 2, 128)
+    k = patterns.flip(0).reshape(256, 2, 128)[:, :1]
+    gen = torch.Generator().manual_seed(5)
+    scale = torch.exp2(torch.randint(-140, 128, (256, 1), generator=gen).float())
+    cos = torch.randn(256, 128, generator=gen) * scale
+    sin = torch.randn(256, 128, generator=gen) * scale.flip(0)
+    got_q, got_k = cpu.rope(q, k, cos, sin)
+    want_q, want_k = ref.rope(q, k, cos, sin)
+    nan_q, nan_k = torch.isnan(want_q), torch.isnan(want_k)
+    assert nan_q.any() and torch.isinf(want_q).any()
+    assert torch.equal(torch.isnan(got_q), nan_q) and torch.equal(torch.isnan(got_k), nan_k)
+    assert torch.equal(bits(got_q)[nan_q].unique(), torch.tensor([0x7FC0], dtype=torch.int16))
+    assert torch.equal(bits(got_q)[~nan_q], bits(want_q)[~nan_q])
+    assert torch.equal(bits(got_k)[~nan_k], bits(want_k)[~nan_k])
+
+
 # --- the whole model ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
