@@ -151,16 +151,27 @@ void linear_row(const float* x, int64_t K, const W* w, int64_t N, float* y) {
 }
 
 // The MR rows of one packed group (a is [kc][MR]: the group's x values of one k adjacent)
-// against a transposed 16-column block b [kc][16]. Kept out of line so that its twelve
-// accumulators get the registers to themselves.
-template <int MR>
-__attribute__((noinline)) void group16(const float* a, const float* b, int64_t kc, float* y, int64_t ldy,
-                                       bool accumulate) {
-  tile16<MR, MR>(a, 1, b, 16, kc, y, ldy, accumulate);
+// against a 16-column block b [kc][16]: the block's sums, plus what `add` holds (rows of 16) when
+// it is not null, stored into y (rows ldy apart; rounded to Y as stored). Kept out of line so
+// that its twelve accumulators get the registers to themselves.
+template <int MR, typename Y>
+__attribute__((noinline)) void group16(const float* a, const float* b, int64_t kc, const float* add, Y* y,
+                                       int64_t ldy) {
+  tile16_sums<MR, MR>(a, 1, b, 16, kc, [&](int i, __m256 lo, __m256 hi) {
+    if (add) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(add + i * 16));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(add + i * 16 + 8));
+    }
+    elementwise::store8(y + i * ldy, lo);
+    elementwise::store8(y + i * ldy + 8, hi);
+  });
 }
 
-using GroupFn = void (*)(const float*, const float*, int64_t, float*, int64_t, bool);
-constexpr GroupFn GROUP16[7] = {nullptr, group16<1>, group16<2>, group16<3>, group16<4>, group16<5>, group16<6>};
+template <typename Y>
+using GroupFn = void (*)(const float*, const float*, int64_t, const float*, Y*, int64_t);
+template <typename Y>
+constexpr GroupFn<Y> GROUP16[7] = {nullptr,         group16<1, Y>, group16<2, Y>, group16<3, Y>,
+                                   group16<4, Y>, group16<5, Y>, group16<6, Y>};
 constexpr int64_t GROUP = 6;           // x rows per packed group
 
 // x [M, K] -> xp: for each KC block of columns, the groups of GROUP rows one after another, each
@@ -215,8 +226,9 @@ struct PackedPanels {
 // Outputs [0, 16 * panels) by fp32 blocks of 16 weight columns against packed x; K % 8 == 0.
 // PANELS blocks are made together (2 x 16 KiB, in L1), and each packed x group is multiplied by
 // all of them while it is in L1: x, past L2 at prefill sizes, is read once per PANELS blocks, not
-// once per block. A block's sums are kept in rows of 16 (y's own rows, N apart, fall into few
-// cache sets when N is a power of two) and stored into y at the end.
+// once per block. The sums of a block of k before the last are kept in rows of 16 (y's own rows,
+// N apart, fall into few cache sets when N is a power of two); the last block's tile adds them
+// and stores its rows into y as it finishes.
 constexpr int64_t PANELS = 2;
 template <typename Source, typename Y>
 void linear_panels(const float* x, int64_t M, int64_t K, const Source& source, int64_t panels, Y* y,
@@ -225,22 +237,25 @@ void linear_panels(const float* x, int64_t M, int64_t K, const Source& source, i
   pack_x(x, M, K, xp.get());
   const int64_t blocks = (panels + PANELS - 1) / PANELS;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf(PANELS * KC * 16), acc(PANELS * M * 16);
+    std::vector<float> buf(PANELS * KC * 16), acc(K > KC ? PANELS * M * 16 : 0);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p0 = b * PANELS, np = std::min(PANELS, panels - p0);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        const int64_t next = k0 + KC >= K && b + 1 == b1 ? 0 : source.ahead(np, k0);
+        const bool last = k0 + KC >= K;
+        const int64_t next = last && b + 1 == b1 ? 0 : source.ahead(np, k0);
         for (int64_t j = 0; j < np; ++j) source(p0 + j, k0, kc, buf.data() + j * KC * 16, next);
         for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
           const int64_t mr = std::min(GROUP, M - m0);
-          for (int64_t j = 0; j < np; ++j)
-            GROUP16[mr](xp.get() + k0 * M + m0 * kc, buf.data() + j * KC * 16, kc, acc.data() + (j * M + m0) * 16,
-                        16, k0 > 0);
+          const float* a = xp.get() + k0 * M + m0 * kc;
+          for (int64_t j = 0; j < np; ++j) {
+            float* sums = acc.data() + (j * M + m0) * 16;
+            const float* done = k0 > 0 ? sums : nullptr;
+            if (last) GROUP16<Y>[mr](a, buf.data() + j * KC * 16, kc, done, y + m0 * ldy + (p0 + j) * 16, ldy);
+            else GROUP16<float>[mr](a, buf.data() + j * KC * 16, kc, done, sums, 16);
+          }
         }
       }
-      for (int64_t j = 0; j < np; ++j)
-        elementwise::store_rows16(acc.data() + j * M * 16, M, y + (p0 + j) * 16, ldy);
     }
   });
 }

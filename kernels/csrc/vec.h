@@ -67,7 +67,7 @@ inline void widen_panel_k(const uint16_t* p, __m256& lo, __m256& hi) {
 }
 
 // ---- the register tile ------------------------------------------------------------------------
-// y[i][0..16) (+)= sum_k x[i][k] * b[k][0..16) for MR (<= 6) rows of x, x[i][k] at
+// The sums sum_k x[i][k] * b[k][0..16) for MR (<= 6) rows of x, x[i][k] at
 // x[i * ldx + k * SX] (SX = 1: row-major rows; SX = MR: a packed group): each x value is
 // broadcast against 16 columns of b. The accumulators are named variables, not an array, so
 // that they stay in registers; the rows a smaller tile does not use are compiled away.
@@ -78,19 +78,11 @@ inline void widen_panel_k(const uint16_t* p, __m256& lo, __m256& hi) {
     c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);                                               \
     c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                                               \
   }
-#define QN_OUT(i)                                                                          \
-  if constexpr (MR > i) {                                                                    \
-    float* yi = y + i * ldy;                                                                 \
-    if (accumulate) {                                                                        \
-      c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(yi));                                 \
-      c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(yi + 8));                             \
-    }                                                                                        \
-    _mm256_storeu_ps(yi, c##i##0);                                                           \
-    _mm256_storeu_ps(yi + 8, c##i##1);                                                       \
-  }
-template <int MR, int SX = 1>
-inline void tile16(const float* x, int64_t ldx, const float* b, int64_t ldb, int64_t kc, float* y, int64_t ldy,
-                   bool accumulate) {
+#define QN_OUT(i) \
+  if constexpr (MR > i) out(i, c##i##0, c##i##1);
+// ... and each row's two halves of sums handed to out(i, columns 0-7, columns 8-15).
+template <int MR, int SX = 1, typename Out>
+inline void tile16_sums(const float* x, int64_t ldx, const float* b, int64_t ldb, int64_t kc, Out&& out) {
   static_assert(MR >= 1 && MR <= 6, "tile shape");
   QN_ACC(0) QN_ACC(1) QN_ACC(2) QN_ACC(3) QN_ACC(4) QN_ACC(5)
   for (int64_t k = 0; k < kc; ++k) {
@@ -98,6 +90,20 @@ inline void tile16(const float* x, int64_t ldx, const float* b, int64_t ldb, int
     QN_FMA(0) QN_FMA(1) QN_FMA(2) QN_FMA(3) QN_FMA(4) QN_FMA(5)
   }
   QN_OUT(0) QN_OUT(1) QN_OUT(2) QN_OUT(3) QN_OUT(4) QN_OUT(5)
+}
+// The sums stored into y (rows ldy apart), added to what y holds when accumulate is set.
+template <int MR, int SX = 1>
+inline void tile16(const float* x, int64_t ldx, const float* b, int64_t ldb, int64_t kc, float* y, int64_t ldy,
+                   bool accumulate) {
+  tile16_sums<MR, SX>(x, ldx, b, ldb, kc, [&](int i, __m256 lo, __m256 hi) {
+    float* yi = y + i * ldy;
+    if (accumulate) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(yi));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(yi + 8));
+    }
+    _mm256_storeu_ps(yi, lo);
+    _mm256_storeu_ps(yi + 8, hi);
+  });
 }
 #undef QN_ACC
 #undef QN_FMA
