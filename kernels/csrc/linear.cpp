@@ -25,6 +25,7 @@
 #include "elementwise.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -228,7 +229,8 @@ struct PackedPanels {
 // all of them while it is in L1: x, past L2 at prefill sizes, is read once per PANELS blocks, not
 // once per block. The sums of a block of k before the last are kept in rows of 16 (y's own rows,
 // N apart, fall into few cache sets when N is a power of two); the last block's tile adds them
-// and stores its rows into y as it finishes.
+// and stores its rows into y as it finishes. The threads claim blocks one at a time, so that one
+// slowed by other work on its core leaves no share behind for the others to wait on.
 constexpr int64_t PANELS = 2;
 template <typename Source, typename Y>
 void linear_panels(const float* x, int64_t M, int64_t K, const Source& source, int64_t panels, Y* y,
@@ -236,14 +238,15 @@ void linear_panels(const float* x, int64_t M, int64_t K, const Source& source, i
   std::unique_ptr<float[]> xp(new float[M * K]);     // every element written by pack_x
   pack_x(x, M, K, xp.get());
   const int64_t blocks = (panels + PANELS - 1) / PANELS;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, std::min<int64_t>(blocks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<float> buf(PANELS * KC * 16), acc(K > KC ? PANELS * M * 16 : 0);
-    for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t b = claimed++; b < blocks; b = claimed++) {
       const int64_t p0 = b * PANELS, np = std::min(PANELS, panels - p0);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const bool last = k0 + KC >= K;
-        const int64_t next = last && b + 1 == b1 ? 0 : source.ahead(np, k0);
+        const int64_t next = last && b + 1 == blocks ? 0 : source.ahead(np, k0);
         for (int64_t j = 0; j < np; ++j) source(p0 + j, k0, kc, buf.data() + j * KC * 16, next);
         for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
           const int64_t mr = std::min(GROUP, M - m0);
