@@ -19,8 +19,8 @@ FAST = """## What makes qwen-npu fast here
   k order whatever the number of rows.
 - Decode attention takes all KV heads of a token in one work item, so each position's K/V
   (adjacent in the cache) stream through memory in order; positions are found through
-  offsets worked out once per item from the block table; each thread takes a run of items of
-  about equal work, so rows of different contexts keep both cores busy.
+  offsets worked out once per item from the block table; the threads claim items one at a time,
+  the most work first, so rows of different contexts keep both cores busy to the end.
 - Plain weights live in one 2 MiB-aligned arena advised for transparent huge pages.
 - q/k head norms and RoPE run as one kernel, SiLU-mul as another, on 16 lanes where the CPU has
   AVX-512 (`csrc/elementwise_avx512.cpp`, the bits of the 8-lane kernels); greedy sampling and

@@ -15,11 +15,13 @@
 //                         transposed into [D][16] blocks and S = Q K^T, online softmax, and
 //                         acc += P V all run on the tile16 register tile.
 //
-// The items are split between the threads as runs of about equal work, not of equal count.
+// The threads claim the items one at a time, the most work first.
 #include "attention.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 namespace qwen_npu_cpu {
@@ -73,8 +75,10 @@ void attend_tile(const S* q, const S* kc, const S* vc, const int64_t* pos, int64
       float* s = sp + m * CHUNK;
       const int64_t live = std::clamp<int64_t>(visible - c0, 0, cn);
       for (int64_t p = live; p < CHUNK; ++p) s[p] = -INFINITY;
-      float cmax = mx[m];
-      for (int64_t p = 0; p < live; ++p) cmax = std::max(cmax, s[p]);
+      // the running maximum: a NaN score is passed over (max_ps returns its second operand)
+      __m256 vmax = _mm256_set1_ps(mx[m]);
+      for (int64_t p = 0; p < CHUNK; p += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(s + p), vmax);
+      const float cmax = hmax(vmax);
       const float alpha = std::exp(mx[m] - cmax);         // 0 on the first chunk (mx = -inf)
       mx[m] = cmax;
       const __m256 vmx = _mm256_set1_ps(cmax);
@@ -136,28 +140,28 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
       for (int64_t kvh = 0; kvh < g.KV; ++kvh)
         items.push_back({r, t0, std::min<int64_t>(t0 + width, qsl[r + 1]), kvh, kvh + 1});
   }
-  // Each thread takes a run of consecutive items of about equal work (positions read times the
-  // query rows and KV heads that read them): the rows of a step differ in context, and an even
-  // split by count would leave one core waiting on the longer ones.
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  std::vector<int64_t> first(threads + 1, static_cast<int64_t>(items.size()));
+  // The threads claim items one at a time, the most work first (positions read times the query
+  // rows and KV heads that read them): the rows of a step differ in context, and a core slowed
+  // by other work takes fewer, so that no thread waits at the end on another's share.
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  std::vector<int64_t> order(count);
   {
-    std::vector<double> done(items.size() + 1, 0.0);
-    for (size_t i = 0; i < items.size(); ++i) {
+    std::vector<double> cost(count);
+    for (int64_t i = 0; i < count; ++i) {
       const Item& it = items[i];
       const double n = sl[it.row] - (qsl[it.row + 1] - it.t1);     // positions the item's last token sees
-      done[i + 1] = done[i] + n * static_cast<double>((it.t1 - it.t0) * (it.kvh1 - it.kvh0));
+      cost[i] = n * static_cast<double>((it.t1 - it.t0) * (it.kvh1 - it.kvh0));
     }
-    for (int64_t t = 0, i = 0; t < threads; ++t) {
-      while (i < static_cast<int64_t>(items.size()) && done[i] < done.back() * t / threads) ++i;
-      first[t] = i;
-    }
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   }
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> work;
     std::vector<int64_t> pos;         // element offset of each position's K/V (head 0) in the caches
-    for (int64_t i = first[t0]; i < first[t1]; ++i) {
-      const Item& it = items[i];
+    for (int64_t c = claimed++; c < count; c = claimed++) {
+      const Item& it = items[order[c]];
       const int32_t* table = bt + it.row * g.MB;
       const int64_t first_visible = sl[it.row] - (qsl[it.row + 1] - it.t0) + 1;
       const int64_t n = first_visible + (it.t1 - it.t0) - 1;       // positions the item reads

@@ -29,6 +29,13 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+// The largest of the 8 lanes (none NaN).
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
 // exp for x <= 0 (scores minus their max): 2^n * p(r), |relative error| < 2e-7; -inf -> 0;
 // NaN -> NaN, as the reference softmax gives it (a NaN key or query must show, not vanish).
