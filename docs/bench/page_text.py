@@ -179,4 +179,40 @@ Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-04, 0.
 - A product for prefill rows written on the tiles (32 x 32 outputs in four tiles, the weights in
   oneDNN's layout) reached 1800-2300 GFLOP/s with hot weights where oneDNN reaches 3100, and lost
   more with software prefetch or x repacked in tile order: prefill stays with oneDNN.
+
+Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-05 and 06, 0.6B shapes,
+on a busy host (the AVX2 FMA peak measured between runs moved between 127 and 186 GFLOP/s within
+minutes; figures are the best of interleaved rounds):
+
+- Prefill products at 512 rows against the libraries on this machine, all held to AVX2
+  (`QWEN_NPU_CPU_ISA=avx2`, `OPENBLAS_CORETYPE=Haswell`, `MKL_ENABLE_INSTRUCTIONS=AVX2`), a
+  layer's four products, ms (GFLOP/s), four rounds with the FMA peak measured in each (152-164):
+  panels 109.3 (147, 90% of the peak); OpenBLAS 0.3.31's sgemm through numpy 100.3 (161, 98%);
+  torch's float32 product 99.2 (162, 99%); BLIS 1.3 from the `blis` wheel 217.8 (74: one core's
+  worth; with `BLIS_NUM_THREADS=2` too). By shape, panels / OpenBLAS / torch: q|k|v 29.8 / 26.6 / 26.3, o 14.3 / 13.2
+  / 13.4, gate|up 42.4 / 39.4 / 39.7, down 22.9 / 21.2 / 19.9. The libraries multiply float32
+  weights, twice the bytes of the bf16 ones: widening a matrix for them in every call took
+  0.3-0.8 ms, so torch's product on weights widened per call would be about 5% faster than the
+  panels at 512 rows, holding a float32 copy of the matrix for the call (25 MB for gate|up) and
+  giving other sums at other row counts; widened and multiplied 256 columns at a time it was
+  slower than the panels at every shape (q|k|v 31.1, o 16.1, gate|up 50.2, down 23.2 ms). The
+  panels stay. In perf samples of their product the register tile took 86% (about 93% of the
+  peak while it runs), a pass copying the sums into y 3.4% and the OpenMP runtime's wait 4.3%:
+  the tile now stores y itself and the threads claim blocks one at a time (97.1 against 102.8 ms
+  for the four products, best of six rounds; the wait below 1%).
+- Batch-16 decode products held to AVX2, the 28 layers' four products at 16 rows: 108.9 ms with
+  every layer's weights read from memory (72% of the FMA peak measured in the run), 93.9 ms with
+  one layer's weights repeated from the caches (83%); in a whole step 99.6 ms. At 16 rows the
+  products are compute bound (the weights read in 32.7 ms at the 27 GB/s measured), so the 15%
+  between the two is the stream not overlapping the multiply-adds fully.
+- Prefill attention held to AVX2, one 512-token causal row: 10.6 to 9.2-9.6 ms with the running
+  maximum on 8 lanes and work items claimed one at a time (67% of the FMA peak, counting the
+  causal half); chunks of 64 positions instead of 32 were slower (10.5-16.2 against 9.4-13.3 ms).
+- Prefill products on AMX tiles written here against oneDNN on the same reordered weights, 512
+  rows, GFLOP/s for q|k|v / o / gate|up / down: a 2 x 2-tile kernel over all of k 2239 / 1767 /
+  2195 / 860 against oneDNN's 2358 / 1319 / 2364 / 961; with k in blocks of 256 and rows in
+  chunks of 128, 1922 / 1957 / 1861 / 1989 against 2310 / 1279 / 2383 / 2174 (a quiet run). Both
+  sit near half the 4938 GFLOP/s of the tiles' peak, bound by reading the weights from L2; only
+  the o projection was faster in the kernel here (1.4-1.5x, about 14 ms of a 512-token prefill,
+  1% of `mixed`), so prefill stays with oneDNN.
 """
