@@ -89,7 +89,8 @@ def floors_lines(res: dict) -> list[str]:
                 lines.append(f"| batch 16, whole step (`{w}` run's probe) | products at the bf16 rate | "
                              f"{bf16_floor:.1f} | {r['decode_ms_b16']:.1f} | {r['decode_ms_b16'] / bf16_floor:.2f}x |")
     lines += ["", "Targets: batch 1 within 1.25x of the read floor, batch 16 within 1.5x of the compute floor.",
-              "Each workload run also measures its own floors (`floors` in its results). Read bandwidth on a",
+              "Each workload run also measures its own floors, before and after itself (`floors` in its",
+              "results: the higher of each, and both in `drift`). Read bandwidth on a",
               "shared host drifts: on the 2-core EPYC of these figures the same measurement gave 32-67 GB/s",
               "within one day (a batch-1 floor of 37 to 18 ms), so a step is only compared with a floor",
               "measured in the same sitting.", ""]

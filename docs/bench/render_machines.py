@@ -67,7 +67,19 @@ def limits_text(runs: dict) -> list[str]:
             f"{f['fp32_gflops']:.0f} and bf16 product {f['bf16_gflops']:.0f} GFLOP/s beside them. A "
             f"workload's floor is the sum over its steps of the larger of reading the weights and "
             f"multiplying by them at the peak (the LM head only for rows that get logits; attention left "
-            f"out), so it is a lower bound."]
+            f"out), so it is a lower bound."] + drift_text(runs)
+
+
+def drift_text(runs: dict) -> list[str]:
+    """How far the limits measured before and after each run lay apart, where the runs kept both."""
+    drifts = [r["floors"]["drift"] for r in runs.values() if "drift" in r.get("floors", {})]
+    if not drifts:
+        return []
+    reads = [v for d in drifts for v in d["read_gb_s"]]
+    peaks = [v for d in drifts for v in d["peak_gflops"]]
+    return [f"Each run measured its limits before and after itself and divides by the higher of each: "
+            f"across the runs, reading memory {min(reads):.1f}-{max(reads):.1f} GB/s and the limit "
+            f"{min(peaks):.0f}-{max(peaks):.0f} GFLOP/s."]
 
 
 def machine_section(res: dict) -> list[str]:

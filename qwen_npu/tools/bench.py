@@ -219,6 +219,12 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
     if log:
         log(f"loaded {path} in {load_s:.1f} s ({cfg.dtype}, {cfg.device}, kernels {cfg.kernels}); running "
             f"{name}: {len(work)} requests")
+    limits_before = None
+    if floors and sess.model.device.type == "cpu":
+        if log:
+            log("measuring the machine's limits before the run (read bandwidth, multiply-add peaks, torch's "
+                "product rates; again after it, and the shares use the higher of each)")
+        limits_before = bench_floors.measure()
     shapes: list = []
     result = {"engine": "qwen-npu", "workload": name, **run_workload(sess, work, shapes)}
     if log:
@@ -240,8 +246,8 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(sess.model.device)
     if floors and sess.model.device.type == "cpu":
         if log:
-            log("measuring the machine's limits (read bandwidth, multiply-add peaks, torch's product rates)")
-        result.update(bench_floors.for_run(sess.model, result, shapes, batch=cfg.max_batch))
+            log("measuring the machine's limits again after the run")
+        result.update(bench_floors.for_run(sess.model, result, shapes, batch=cfg.max_batch, before=limits_before))
     device_used = cfg.device
     sess.close()
     if compare == "hf":

@@ -26,7 +26,9 @@ From these, for a model whose decode step reads ``weight_bytes`` of weights and 
                     attention and the KV cache's reads are left out, so the floor is a lower bound
 
 Wall-clock figures: run on an otherwise idle machine, and compare a run with limits measured in
-the same process.
+the same process: ``qwen-npu bench`` measures them before and after its run and divides by the
+higher of each (on a shared machine a single measurement can catch a slow moment), reporting how
+far the two were apart.
 """
 from __future__ import annotations
 
@@ -113,6 +115,21 @@ def measure() -> dict:
             "load": round(os.getloadavg()[0], 2)}
 
 
+def higher_of(before: dict, after: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One run's limits from two measurements of ``measure()``, before and after the run: each rate
+    the higher of the two (what the machine reached at least once in the sitting), the rest as
+    measured after, and ``drift``: both measurements of the read bandwidth and of the limit usable
+    in ``dtype`` (``[before, after]``), so that a report can say how far the machine moved meanwhile."""
+    out = dict(after)
+    for key in ("read_gb_s", "fp32_gflops", "bf16_gflops"):
+        out[key] = max(before[key], after[key])
+    out["peaks"] = {k: max(v, before.get("peaks", {}).get(k, 0.0)) for k, v in after.get("peaks", {}).items()}
+    out["peak_gflops"], out["peak_kind"] = usable_peak(out, dtype)
+    out["drift"] = {"read_gb_s": [before["read_gb_s"], after["read_gb_s"]],
+                    "peak_gflops": [usable_peak(before, dtype)[0], usable_peak(after, dtype)[0]]}
+    return out
+
+
 def model_shape(model) -> dict:
     """What one forward of a loaded ``Qwen3Model`` reads and multiplies, split where the LM head
     runs only for the rows that get logits: ``layer_bytes``/``layer_params`` (every layer tensor
@@ -185,7 +202,7 @@ def user_dtype(device: str) -> str:
     return "bfloat16" if faster else "float32"
 
 
-def for_run(model, result: dict, steps=None, batch: int = 16) -> dict:
+def for_run(model, result: dict, steps=None, batch: int = 16, before: dict | None = None) -> dict:
     """``floors`` (the machine's limits and ``model``'s decode floors) and the run's figures as
     shares of them: with the decode probes in ``result``, ``decode_b1_vs_floor`` and
     ``decode_b16_vs_floor`` (probe / the larger of its read and compute floors: 1.0 is the floor)
@@ -193,8 +210,10 @@ def for_run(model, result: dict, steps=None, batch: int = 16) -> dict:
     per second of prefill steps) and ``prefill_share`` of the peak; with ``steps`` (the run's
     [(tokens, logits rows)]), ``workload_floor_s`` and ``workload_share`` (floor / seconds).
     The limit is the one usable in the model's dtype (``usable_peak``); ``batch``: the rows of the
-    batch probe (its figures keep the ``b16`` names whatever ``batch`` is)."""
-    floors = measure()
+    batch probe (its figures keep the ``b16`` names whatever ``batch`` is). ``before``: the limits
+    measured before the run (``measure()``); then each limit is the higher of the two
+    (``higher_of``) and ``floors["drift"]`` keeps both."""
+    floors = measure() if before is None else higher_of(before, measure(), model.dtype)
     floors["peak_gflops"], floors["peak_kind"] = usable_peak(floors, model.dtype)
     shape = model_shape(model)
     floors.update(decode_floors(floors, *model_weights(model), batches=(1, batch)))

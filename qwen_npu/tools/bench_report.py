@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 
+DRIFT_NOTED = 0.10        # limits that moved more than this between before and after the run are flagged
+
+
 def _gib(n: int) -> str:
     return f"{n / 2 ** 30:.2f} GiB"
 
@@ -35,6 +38,13 @@ def limit_lines(r: dict) -> list[str]:
              f"({f.get('peak_kind', '?')}, for the model's dtype; multiply-add peaks {peaks}); torch's "
              f"float32 product {f['fp32_gflops']:.0f}, bf16 product {f['bf16_gflops']:.0f} GFLOP/s "
              f"(load {f['load']:.1f})"]
+    if "drift" in f:
+        (r0, r1), (p0, p1) = f["drift"]["read_gb_s"], f["drift"]["peak_gflops"]
+        moved = max(abs(r1 - r0) / max(r0, r1), abs(p1 - p0) / max(p0, p1))
+        lines.append(f"  limits     before / after the run: read {r0:.1f} / {r1:.1f} GB/s, peak {p0:.0f} / {p1:.0f} "
+                     f"GFLOP/s; each limit is the higher"
+                     + (f" (they moved {_pct(moved)}: a busy machine, the shares are approximate)"
+                        if moved > DRIFT_NOTED else ""))
     if "prefill_share" in r:
         lines.append(f"  vs limits  prefill {r['prefill_gflops']:.0f} GFLOP/s on the layers' products = "
                      f"{_pct(r['prefill_share'])} of the peak")

@@ -73,6 +73,9 @@ def test_json_report_has_the_figures_and_the_hf_comparison(tiny_ckpt, capsys, sm
     assert r["hf_ratio"] == pytest.approx(hf["seconds"] / r["seconds"], rel=0.02, abs=0.01)
     f = r["floors"]
     assert f["read_gb_s"] > 0 and f["fp32_gflops"] > 0 and f["bf16_gflops"] > 0
+    # measured before and after the run: each limit the higher of the two, both kept
+    assert f["read_gb_s"] == max(f["drift"]["read_gb_s"]) and len(f["drift"]["read_gb_s"]) == 2
+    assert f["peak_gflops"] >= max(f["drift"]["peak_gflops"]) and min(f["drift"]["peak_gflops"]) > 0
     assert f["peer_dtype"] in ("float32", "bfloat16")
     assert hf["dtype"] == f["peer_dtype"]                                # the peer in the user's dtype
     # the floors and ratios are rounded to 0.01: compare at that rounding, inputs' rounding included
@@ -150,5 +153,6 @@ def test_text_report_gives_every_figure_beside_its_limit(tiny_ckpt, capsys, smal
                   "  limits     read ", "compute limit ", "  vs limits  prefill ", "% of the peak",
                   "  vs limits  decode batch 1 ", "x the read floor", "% of its limit",
                   "  vs limits  the workload's floor ", "% of the run",
+                  "  limits     before / after the run: read ", "; each limit is the higher",
                   "= before load ", ", weights ", ", KV cache ", ", buffers ", ", rest ", "resident at the end"):
         assert words in out, words

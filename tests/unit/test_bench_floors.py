@@ -180,3 +180,35 @@ def test_for_run_takes_the_probe_batch_and_the_model_dtype(monkeypatch, tmp_path
     assert (f["peak_gflops"], f["peak_kind"]) == (100.0, "avx2_fma")                  # a float32 model
     assert f["b4_compute_ms"] == pytest.approx(2 * 4 * params / 100e9 * 1e3, abs=0.006)
     assert f["b16_floor_ms"] == f["b4_floor_ms"] and "b16_compute_ms" in f          # the probe's batch
+
+
+def test_a_runs_limits_are_the_higher_of_before_and_after_and_keep_both():
+    before = {"read_gb_s": 30.0, "fp32_gflops": 100.0, "bf16_gflops": 300.0, "load": 0.5,
+              "peaks": {"avx2_fma": 180.0, "amx_bf16": 2000.0}, "peak_gflops": 2000.0, "peak_kind": "amx_bf16"}
+    after = {"read_gb_s": 20.0, "fp32_gflops": 120.0, "bf16_gflops": 250.0, "load": 1.5,
+             "peaks": {"avx2_fma": 200.0, "amx_bf16": 1500.0}, "peak_gflops": 1500.0, "peak_kind": "amx_bf16"}
+    f = bench_floors.higher_of(before, after)
+    assert (f["read_gb_s"], f["fp32_gflops"], f["bf16_gflops"]) == (30.0, 120.0, 300.0)
+    assert f["peaks"] == {"avx2_fma": 200.0, "amx_bf16": 2000.0} and f["load"] == 1.5
+    assert (f["peak_gflops"], f["peak_kind"]) == (2000.0, "amx_bf16")
+    assert f["drift"] == {"read_gb_s": [30.0, 20.0], "peak_gflops": [2000.0, 1500.0]}
+    # a float32 model's limit and drift leave out the bf16 instructions
+    f = bench_floors.higher_of(before, after, torch.float32)
+    assert (f["peak_gflops"], f["peak_kind"]) == (200.0, "avx2_fma")
+    assert f["drift"]["peak_gflops"] == [180.0, 200.0]
+    assert before["read_gb_s"] == 30.0 and after["read_gb_s"] == 20.0      # the inputs are left as they were
+
+
+def test_the_report_says_when_the_limits_moved_during_the_run():
+    from qwen_npu.tools import bench_report
+    f = {"read_gb_s": 30.0, "fp32_gflops": 100.0, "bf16_gflops": 300.0, "load": 0.5, "peaks": {"avx2_fma": 200.0},
+         "peak_gflops": 200.0, "peak_kind": "avx2_fma",
+         "drift": {"read_gb_s": [30.0, 29.0], "peak_gflops": [200.0, 190.0]}}
+    line = bench_report.limit_lines({"floors": f})[1]
+    assert line == ("  limits     before / after the run: read 30.0 / 29.0 GB/s, peak 200 / 190 GFLOP/s; "
+                    "each limit is the higher")
+    f["drift"]["peak_gflops"] = [200.0, 150.0]                 # 25% apart: flagged
+    line = bench_report.limit_lines({"floors": f})[1]
+    assert line.endswith("each limit is the higher (they moved 25%: a busy machine, the shares are approximate)")
+    del f["drift"]
+    assert len(bench_report.limit_lines({"floors": f})) == 1    # a run measured once says nothing of it

@@ -69,7 +69,8 @@ def test_a_page_without_the_mixed_steps_run_has_no_row_for_it(render, tmp_path):
 
 def test_another_machine_gets_its_section_with_every_run_beside_its_limits(render, tmp_path):
     limits = {"read_gb_s": 20.0, "peaks": {"avx2_fma": 160.0, "amx_bf16": 3000.0}, "peak_gflops": 3000.0,
-              "peak_kind": "amx_bf16", "fp32_gflops": 150.0, "bf16_gflops": 600.0, "peer_dtype": "bfloat16"}
+              "peak_kind": "amx_bf16", "fp32_gflops": 150.0, "bf16_gflops": 600.0, "peer_dtype": "bfloat16",
+              "drift": {"read_gb_s": [18.5, 20.0], "peak_gflops": [3000.0, 2400.0]}}
     mem = {"weights": 2**30, "kv_cache": 2**29, "buffers": 2**25, "before_load": 2**28}
     other = {"machine": {"cpu": "Other CPU", "cores": 2, "torch": "2.13.0+cpu", "threads": 2,
                          "cpu_capability": "AVX512", "isa_cap": None},
@@ -88,5 +89,7 @@ def test_another_machine_gets_its_section_with_every_run_beside_its_limits(rende
     assert "### Other CPU, 2 cores" in page
     assert "| `mixed` | 60.0 s (10.0 out tok/s) | 40.0 s | 1.50x slower |" in page
     assert "(the limit is the fastest, or a product measured faster: **3000**, amx_bf16)" in page
+    assert ("before and after itself and divides by the higher of each: across the runs, reading memory "
+            "18.5-20.0 GB/s and the limit 2400-3000 GFLOP/s.") in page
     # 2 GiB peak = 1 + 0.5 + 0.03 + 0.25 GiB, rest 0.22 GiB (11%)
     assert "| `mixed` | 300 (10%) | 1.10x | 50% | 35% | 2.50 (1.8%) | 2.00: 1.00 + 0.50 + 0.03 + 0.25, rest 0.22 (11%) |" in page
