@@ -224,7 +224,7 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
         if log:
             log("measuring the machine's limits before the run (read bandwidth, multiply-add peaks, torch's "
                 "product rates; again after it, and the shares use the higher of each)")
-        limits_before = bench_floors.measure()
+        limits_before = bench_floors.measure_apart()        # its buffers are not this run's memory
     shapes: list = []
     result = {"engine": "qwen-npu", "workload": name, **run_workload(sess, work, shapes)}
     if log:

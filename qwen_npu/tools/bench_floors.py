@@ -32,7 +32,10 @@ far the two were apart.
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -113,6 +116,29 @@ def measure() -> dict:
     floors["peak_gflops"], floors["peak_kind"] = usable_peak(floors, torch.bfloat16)   # every kind
     return {**floors, "peer_dtype": user_dtype("cpu"), "threads": torch.get_num_threads(),
             "load": round(os.getloadavg()[0], 2)}
+
+
+APART_TIMEOUT_S = 600.0                 # the most a measurement in a child process may take
+
+
+def measure_apart(timeout_s: float | None = None) -> dict:
+    """``measure()`` run in a child process with this one's settings (the module's sizes, torch's
+    thread count, the environment), so that its buffers (``READ_BYTES`` for the read bandwidth,
+    the product's matrices) never count in this process's peak resident memory: a run measures
+    its limits before itself this way and still reports its own peak. Raises ``RuntimeError``
+    (with the child's last words) when the child fails or takes longer than ``timeout_s``."""
+    settings = {"READ_BYTES": READ_BYTES, "FP32_SHAPE": list(FP32_SHAPE), "BF16_SHAPE": list(BF16_SHAPE),
+                "REPS": REPS, "PEAK_ITERS": PEAK_ITERS, "threads": torch.get_num_threads()}
+    limit = timeout_s or APART_TIMEOUT_S
+    try:
+        done = subprocess.run([sys.executable, "-m", __name__, json.dumps(settings)], capture_output=True,
+                              text=True, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"measuring the machine's limits in a child process took longer than {limit:.0f} s") from e
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring the machine's limits in a child process failed (exit {done.returncode}): "
+                           f"{done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def higher_of(before: dict, after: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -233,3 +259,11 @@ def for_run(model, result: dict, steps=None, batch: int = 16, before: dict | Non
         out["workload_floor_s"] = _sig(floor)
         out["workload_share"] = _sig(floor / result["seconds"])
     return out
+
+
+if __name__ == "__main__":          # measure_apart's child: the settings as JSON in, the limits as JSON out
+    _settings = json.loads(sys.argv[1])
+    torch.set_num_threads(_settings.pop("threads"))
+    for _name, _value in _settings.items():
+        globals()[_name] = tuple(_value) if isinstance(_value, list) else _value
+    print(json.dumps(measure()))

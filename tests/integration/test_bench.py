@@ -156,3 +156,28 @@ def test_text_report_gives_every_figure_beside_its_limit(tiny_ckpt, capsys, smal
                   "  limits     before / after the run: read ", "; each limit is the higher",
                   "= before load ", ", weights ", ", KV cache ", ", buffers ", ", rest ", "resident at the end"):
         assert words in out, words
+
+
+def test_the_limits_measured_before_the_run_are_not_in_its_peak_memory(tiny_ckpt):
+    """The read bandwidth's buffer (here 768 MiB) is measured before the run in a child process, so
+    the run's peak resident memory, in a fresh process, stays far below weights + KV + buffers +
+    the process before load + that buffer."""
+    import subprocess
+    import sys
+    script = (
+        "import json\n"
+        "from qwen_npu.tools import bench_floors\n"
+        "from qwen_npu.tools.bench import run_bench\n"
+        "bench_floors.READ_BYTES = 768 << 20\n"
+        "bench_floors.FP32_SHAPE = bench_floors.BF16_SHAPE = (64, 128, 128)\n"
+        "bench_floors.REPS, bench_floors.PEAK_ITERS = 1, 100_000\n"
+        "work = [([11 + i] * 8, 3) for i in range(3)]\n"
+        f"r = run_bench(work, model={str(tiny_ckpt)!r}, probes=False)\n"
+        "m = r['memory']\n"
+        "print(json.dumps({'rest': r['peak_rss_bytes'] - m['before_load'] - m['weights'] - m['kv_cache']"
+        " - m['buffers'], 'drift': r['floors']['drift']}))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(out["drift"]["read_gb_s"]) == 2                 # it was measured before the run as well
+    assert out["rest"] < 384 << 20, out                        # and its 768 MiB are not in the peak

@@ -212,3 +212,29 @@ def test_the_report_says_when_the_limits_moved_during_the_run():
     assert line.endswith("each limit is the higher (they moved 25%: a busy machine, the shares are approximate)")
     del f["drift"]
     assert len(bench_report.limit_lines({"floors": f})) == 1    # a run measured once says nothing of it
+
+
+def test_limits_measured_apart_run_in_a_child_with_this_process_settings(monkeypatch):
+    monkeypatch.setattr(bench_floors, "READ_BYTES", 1 << 20)
+    monkeypatch.setattr(bench_floors, "FP32_SHAPE", (16, 32, 32))
+    monkeypatch.setattr(bench_floors, "BF16_SHAPE", (16, 32, 32))
+    monkeypatch.setattr(bench_floors, "REPS", 1)
+    monkeypatch.setattr(bench_floors, "PEAK_ITERS", 10_000)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        f = bench_floors.measure_apart()
+    finally:
+        torch.set_num_threads(threads)
+    assert f["threads"] == 1 and f["read_gb_s"] > 0 and f["fp32_gflops"] > 0
+    assert (f["peak_gflops"], f["peak_kind"]) == bench_floors.usable_peak(f, torch.bfloat16)
+
+
+def test_a_failed_or_stuck_child_is_an_error_that_says_so(monkeypatch):
+    monkeypatch.setattr(bench_floors.sys, "executable", "/bin/false")
+    with pytest.raises(RuntimeError, match=r"child process failed \(exit 1\)"):
+        bench_floors.measure_apart()
+    monkeypatch.undo()
+    monkeypatch.setattr(bench_floors, "PEAK_ITERS", 10 ** 13)     # a loop of hours: the child is stopped
+    with pytest.raises(RuntimeError, match="took longer than 2 s"):
+        bench_floors.measure_apart(timeout_s=2)
