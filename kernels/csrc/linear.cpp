@@ -205,8 +205,7 @@ struct PlainRows {
     for (int r = 0; r < 16; ++r) rows[r] = w + (p * 16 + r) * K;
     pack16(rows, k0, kc, buf, next);
   }
-  // the offset of the next block of these rows, or past the last of np blocks, of the next np's first
-  int64_t ahead(int64_t np, int64_t k0) const { return k0 + KC < K ? KC : 16 * np * K - k0; }
+  static constexpr int64_t NEXT_K = KC;     // the offset of the next block of k of these rows
 };
 struct PackedPanels {
   const uint16_t* w;
@@ -221,7 +220,7 @@ struct PackedPanels {
       _mm256_storeu_ps(buf + k * 16 + 8, hi);
     }
   }
-  int64_t ahead(int64_t np, int64_t k0) const { return k0 + KC < K ? KC * 16 : (np * K - k0) * 16; }
+  static constexpr int64_t NEXT_K = KC * 16;  // the offset of the next block of k of this panel
 };
 
 // Outputs [0, 16 * panels) by fp32 blocks of 16 weight columns against packed x; K % 8 == 0.
@@ -246,13 +245,13 @@ void linear_panels(const float* x, int64_t M, int64_t K, const Source& source, i
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const bool last = k0 + KC >= K;
-        const int64_t next = last && b + 1 == blocks ? 0 : source.ahead(np, k0);
+        const int64_t next = last ? 0 : Source::NEXT_K;    // (the next 32 columns may be another thread's)
         for (int64_t j = 0; j < np; ++j) source(p0 + j, k0, kc, buf.data() + j * KC * 16, next);
         for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
           const int64_t mr = std::min(GROUP, M - m0);
           const float* a = xp.get() + k0 * M + m0 * kc;
           for (int64_t j = 0; j < np; ++j) {
-            float* sums = acc.data() + (j * M + m0) * 16;
+            float* sums = acc.empty() ? nullptr : acc.data() + (j * M + m0) * 16;
             const float* done = k0 > 0 ? sums : nullptr;
             if (last) GROUP16<Y>[mr](a, buf.data() + j * KC * 16, kc, done, y + m0 * ldy + (p0 + j) * 16, ldy);
             else GROUP16<float>[mr](a, buf.data() + j * KC * 16, kc, done, sums, 16);

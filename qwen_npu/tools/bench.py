@@ -219,12 +219,17 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
     if log:
         log(f"loaded {path} in {load_s:.1f} s ({cfg.dtype}, {cfg.device}, kernels {cfg.kernels}); running "
             f"{name}: {len(work)} requests")
-    limits_before = None
+    limits_before, before_error = None, None
     if floors and sess.model.device.type == "cpu":
         if log:
             log("measuring the machine's limits before the run (read bandwidth, multiply-add peaks, torch's "
                 "product rates; again after it, and the shares use the higher of each)")
-        limits_before = bench_floors.measure_apart()        # its buffers are not this run's memory
+        try:
+            limits_before = bench_floors.measure_apart()    # its buffers are not this run's memory
+        except RuntimeError as e:                           # then only after the run, and said so
+            before_error = f"{e}; the limits were measured after the run only"
+            if log:
+                log(before_error)
     shapes: list = []
     result = {"engine": "qwen-npu", "workload": name, **run_workload(sess, work, shapes)}
     if log:
@@ -248,6 +253,8 @@ def run_bench(work="mixed", *, model=None, compare: str | None = None, probes: b
         if log:
             log("measuring the machine's limits again after the run")
         result.update(bench_floors.for_run(sess.model, result, shapes, batch=cfg.max_batch, before=limits_before))
+        if before_error:
+            result["floors"]["before_error"] = before_error
     device_used = cfg.device
     sess.close()
     if compare == "hf":

@@ -138,7 +138,11 @@ def measure_apart(timeout_s: float | None = None) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"measuring the machine's limits in a child process failed (exit {done.returncode}): "
                            f"{done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError) as e:
+        raise RuntimeError(f"measuring the machine's limits in a child process gave no limits: stdout "
+                           f"{done.stdout.strip()[-500:]!r}, stderr {done.stderr.strip()[-1500:]!r}") from e
 
 
 def higher_of(before: dict, after: dict, dtype: torch.dtype = torch.bfloat16) -> dict:

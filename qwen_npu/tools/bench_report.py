@@ -38,6 +38,8 @@ def limit_lines(r: dict) -> list[str]:
              f"({f.get('peak_kind', '?')}, for the model's dtype; multiply-add peaks {peaks}); torch's "
              f"float32 product {f['fp32_gflops']:.0f}, bf16 product {f['bf16_gflops']:.0f} GFLOP/s "
              f"(load {f['load']:.1f})"]
+    if "before_error" in f:
+        lines.append(f"  limits     {f['before_error']}")
     if "drift" in f:
         (r0, r1), (p0, p1) = f["drift"]["read_gb_s"], f["drift"]["peak_gflops"]
         moved = max(abs(r1 - r0) / max(r0, r1), abs(p1 - p0) / max(p0, p1))

@@ -234,6 +234,9 @@ def test_a_failed_or_stuck_child_is_an_error_that_says_so(monkeypatch):
     monkeypatch.setattr(bench_floors.sys, "executable", "/bin/false")
     with pytest.raises(RuntimeError, match=r"child process failed \(exit 1\)"):
         bench_floors.measure_apart()
+    monkeypatch.setattr(bench_floors.sys, "executable", "/bin/true")    # exits 0 and says nothing
+    with pytest.raises(RuntimeError, match="gave no limits"):
+        bench_floors.measure_apart()
     monkeypatch.undo()
     monkeypatch.setattr(bench_floors, "PEAK_ITERS", 10 ** 13)     # a loop of hours: the child is stopped
     with pytest.raises(RuntimeError, match="took longer than 2 s"):
