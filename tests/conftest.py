@@ -83,3 +83,14 @@ def kernel_set(request, monkeypatch):
 
     monkeypatch.setattr(session_module, "load_session", load_session)
     return name
+
+
+@pytest.fixture
+def small_floors(monkeypatch):
+    """``qwen-npu bench``'s limits measured on small buffers, so that a test run stays quick."""
+    from qwen_npu.tools import bench_floors
+    monkeypatch.setattr(bench_floors, "READ_BYTES", 1 << 22)
+    monkeypatch.setattr(bench_floors, "FP32_SHAPE", (64, 128, 128))
+    monkeypatch.setattr(bench_floors, "BF16_SHAPE", (64, 128, 128))
+    monkeypatch.setattr(bench_floors, "REPS", 1)
+    monkeypatch.setattr(bench_floors, "PEAK_ITERS", 100_000)

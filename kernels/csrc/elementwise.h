@@ -7,27 +7,28 @@
 namespace qwen_npu_cpu {
 namespace elementwise {
 
+// The word whose high 16 bits are v's bf16 (round to nearest even) for a number: v + 0x7FFF + the
+// lowest bit kept. Both forms of the conversion below take it, and NaN apart.
+inline __m256i bf16_word8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+}
+
 // fp32 -> bf16 bits (in the low 16 bits of each lane), round to nearest even, NaN -> 0x7FC0: the
 // conversion of c10::BFloat16(float), 8 lanes at a time.
 inline __m256i bf16_bits8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm256_blendv_epi8(_mm256_srli_epi32(bf16_word8(v), 16), _mm256_set1_epi32(0x7FC0), nan);
 }
 
 // v rounded to T's precision, kept in fp32 (what to_f(static_cast<T>(v)) gives, per lane): for
-// bf16 the rounding of bf16_bits8 with the low 16 bits cleared in place rather than shifted out
-// and back (the same bits, fewer instructions: the norms and the activation round every op).
+// bf16 the word of bf16_word8 with its low 16 bits cleared in place, NaN -> 0x7FC00000.
 template <typename T> inline __m256 round8(__m256 v);
 template <> inline __m256 round8<float>(__m256 v) { return v; }
 template <> inline __m256 round8<c10::BFloat16>(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
-  const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(sum, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m256 rounded =
+      _mm256_castsi256_ps(_mm256_and_si256(bf16_word8(v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 

@@ -26,23 +26,26 @@ QN_AVX512 inline __m512 load16(const BF* p, __mmask16 m = 0xFFFF) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// The word whose high 16 bits are v's bf16 (round to nearest even) for a number, as
+// elementwise::bf16_word8 makes it on 8 lanes.
+QN_AVX512 inline __m512i bf16_word16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+}
+
 // fp32 -> bf16 bits in the low half of each lane: round to nearest even, NaN -> 0x7FC0, as
 // c10::BFloat16(float) and elementwise::bf16_bits8 convert.
 QN_AVX512 inline __m512i bf16_bits16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_mask_mov_epi32(_mm512_srli_epi32(bf16_word16(v), 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7FC0));
 }
 
-// v rounded to bf16, kept in fp32: bf16_bits16's rounding with the low 16 bits cleared in place
-// (the same bits in fewer instructions), NaN -> 0x7FC00000.
+// v rounded to bf16, kept in fp32: the word of bf16_word16 with its low 16 bits cleared in place,
+// NaN -> 0x7FC00000.
 QN_AVX512 inline __m512 round16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
   const __mmask16 number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
-  return _mm512_castsi512_ps(_mm512_mask_and_epi32(_mm512_set1_epi32(0x7FC00000), number, sum,
+  return _mm512_castsi512_ps(_mm512_mask_and_epi32(_mm512_set1_epi32(0x7FC00000), number, bf16_word16(v),
                                                    _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 

@@ -43,16 +43,6 @@ def run_cli(capsys, *args) -> str:
     return capsys.readouterr().out
 
 
-@pytest.fixture
-def small_floors(monkeypatch):
-    """The floors measured on small buffers, so that a test run stays quick."""
-    monkeypatch.setattr(bench_floors, "READ_BYTES", 1 << 22)
-    monkeypatch.setattr(bench_floors, "FP32_SHAPE", (64, 128, 128))
-    monkeypatch.setattr(bench_floors, "BF16_SHAPE", (64, 128, 128))
-    monkeypatch.setattr(bench_floors, "REPS", 1)
-    monkeypatch.setattr(bench_floors, "PEAK_ITERS", 100_000)
-
-
 def test_json_report_has_the_figures_and_the_hf_comparison(tiny_ckpt, capsys, small_floors):
     out = run_cli(capsys, "--model", str(tiny_ckpt), *RUN, "--json", "--compare", "hf")
     lines = out.strip().splitlines()

@@ -214,12 +214,7 @@ def test_the_report_says_when_the_limits_moved_during_the_run():
     assert len(bench_report.limit_lines({"floors": f})) == 1    # a run measured once says nothing of it
 
 
-def test_limits_measured_apart_run_in_a_child_with_this_process_settings(monkeypatch):
-    monkeypatch.setattr(bench_floors, "READ_BYTES", 1 << 20)
-    monkeypatch.setattr(bench_floors, "FP32_SHAPE", (16, 32, 32))
-    monkeypatch.setattr(bench_floors, "BF16_SHAPE", (16, 32, 32))
-    monkeypatch.setattr(bench_floors, "REPS", 1)
-    monkeypatch.setattr(bench_floors, "PEAK_ITERS", 10_000)
+def test_limits_measured_apart_run_in_a_child_with_this_process_settings(small_floors):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
