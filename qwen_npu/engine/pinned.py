@@ -101,21 +101,23 @@ class PinnedCopies:
         """The commit of the step that wrote the spare set: it becomes current."""
         self.current = self.spare
 
-    def _buffer(self, name: str, host: torch.Tensor) -> torch.Tensor:
-        """``host``'s data in the spare set's pinned buffer ``name`` (grown if too small)."""
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first ``numel`` elements of the spare set's pinned buffer ``name`` (grown if too small)."""
         spare = self._sets[self.spare]
         buf = spare.get(name)
-        if buf is None or buf.numel() < host.numel() or buf.dtype != host.dtype:
-            buf = spare[name] = pinned_empty(max(host.numel(), 2 * (0 if buf is None else buf.numel())),
-                                             host.dtype)
-        view = buf[:host.numel()].view(host.shape)
-        view.copy_(host)
-        return view
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = spare[name] = pinned_empty(max(numel, 2 * (0 if buf is None else buf.numel())), dtype)
+        return buf[:numel]
 
-    def copy_into(self, dst: torch.Tensor, host: torch.Tensor, name: str) -> None:
-        """``dst.copy_(host)``: through the spare pinned buffer ``name`` without blocking."""
-        dst.copy_(self._buffer(name, host), non_blocking=True)
+    def copy_into(self, dst: torch.Tensor, values, name: str) -> None:
+        """``dst`` set to ``values`` (ints, or rows of ints, of ``dst``'s shape): written into the
+        spare pinned buffer ``name`` (no host tensor is made for them), then copied without blocking."""
+        view = self._buffer(name, dst.numel(), dst.dtype).view(dst.shape)
+        view.numpy()[...] = values
+        dst.copy_(view, non_blocking=True)
 
     def put(self, host: torch.Tensor, name: str) -> torch.Tensor:
         """``host`` on the device, through the spare pinned buffer ``name`` without blocking."""
-        return self._buffer(name, host).to(self.device, non_blocking=True)
+        view = self._buffer(name, host.numel(), host.dtype).view(host.shape)
+        view.copy_(host)
+        return view.to(self.device, non_blocking=True)

@@ -28,7 +28,7 @@ def buffer_set(kind: str) -> str:
     return "decode" if kind == "decode" else "prefill"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PlanRow:
     request: Request
     start: int            # first position computed by this row
@@ -159,8 +159,8 @@ def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: d
         row = PlanRow(req, start, end, needs_logits=end - len(drafts) == req.num_tokens,
                       kind="decode" if decoding else "prefill", drafts=drafts)
         plan_rows.append(row)
-        ids += (req.all_token_ids[start:end] if n > 1 else [req.all_token_ids[start]]) if not drafts else \
-            [req.all_token_ids[start], *drafts]
+        tokens = req.token_ids
+        ids += (tokens[start:end] if n > 1 else [tokens[start]]) if not drafts else [tokens[start], *drafts]
         pos += range(start, end)
         slots += slot_mapping(table, start, end, block_size)
         if row.needs_logits:

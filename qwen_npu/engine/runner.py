@@ -154,6 +154,8 @@ class DispatchBuffers:
                 n: (t.numel(), t.dtype) for n, t in self.tensors.items()
                 if n.startswith("prefill.") == (kind == "prefill")}) for kind in ("decode", "prefill")}
             self.pinned["sample"] = pinned.PinnedCopies(device)
+        # NumPy views of the CPU's buffers, which the CPU's steps write in place
+        self._host_views = {n: t.numpy() for n, t in self.tensors.items()} if device.type == "cpu" else {}
         self._outputs: dict[tuple, OutputBuffer] = {}
         self.current = {"decode": 0, "prefill": 0}   # the pair holding the last committed step's outputs
         for kind in ("decode", "prefill"):
@@ -209,19 +211,27 @@ class DispatchBuffers:
         """Output buffer generations by key (part of the Session's state digest)."""
         return {k: b.generation for k, b in self._outputs.items()}
 
-    def fill(self, name: str, host: torch.Tensor) -> int:
-        """Copy ``host`` into the leading rows of buffer ``name`` (through its pinned buffer
-        on an accelerator, without blocking); returns the bytes moved h2d."""
+    def fill(self, name: str, values: list) -> int:
+        """Set the leading rows of buffer ``name`` to ``values``: ints, or for a 2-D buffer rows of
+        ints of one width (the rest of those rows is set to -1). On the CPU they are written in
+        place (through a NumPy view of the buffer: no tensor is made for them); on an accelerator
+        through its pinned buffer, without blocking. Returns the bytes moved h2d."""
         buf = self.tensors[name]
+        two_d = buf.dim() == 2
+        width = len(values[0]) if two_d and values else 0
         staging = self.pinned.get("prefill" if name.startswith("prefill.") else "decode")
-        dst = buf[:host.shape[0], :host.shape[1]] if host.dim() == 2 else buf[:host.shape[0]]
         if staging is None:
-            dst.copy_(host)
+            host = self._host_views[name]
+            dst = host[:len(values), :width] if two_d else host[:len(values)]
+            dst[...] = values
+            if two_d and width < buf.shape[1]:
+                host[:len(values), width:] = -1
         else:
-            staging.copy_into(dst, host, name)
-        if host.dim() == 2 and host.shape[1] < buf.shape[1]:
-            buf[:host.shape[0], host.shape[1]:].fill_(-1)
-        return host.nbytes
+            dst = buf[:len(values), :width] if two_d else buf[:len(values)]
+            staging.copy_into(dst, values, name)
+            if two_d and width < buf.shape[1]:
+                buf[:len(values), width:].fill_(-1)
+        return dst.nbytes
 
     def view(self, name: str, n: int) -> torch.Tensor:
         return self.tensors[name][:n]
@@ -279,18 +289,18 @@ class ModelRunner:
         pre = "" if buffer_set(plan.kind) == "decode" else "prefill."
         rows, tokens = len(plan.rows), plan.num_tokens
         width = max(len(t) for t in plan.block_tables) or 1
-        tables = torch.tensor(pad_block_tables(plan.block_tables, width), dtype=torch.int32)  # [rows, width]
+        tables = pad_block_tables(plan.block_tables, width)                     # [rows][width]
         qsl = [0]
         for n in plan.query_lens:
             qsl.append(qsl[-1] + n)
         with b.writing(buffer_set(plan.kind)):
-            h2d = b.fill(pre + "input_ids", torch.tensor(plan.input_ids, dtype=torch.int64))
-            h2d += b.fill(pre + "positions", torch.tensor(plan.positions, dtype=torch.int64))
-            h2d += b.fill(pre + "slot_mapping", torch.tensor(plan.slot_mapping, dtype=torch.int64))
-            h2d += b.fill(pre + "seq_lens", torch.tensor(plan.seq_lens, dtype=torch.int32))
+            h2d = b.fill(pre + "input_ids", plan.input_ids)
+            h2d += b.fill(pre + "positions", plan.positions)
+            h2d += b.fill(pre + "slot_mapping", plan.slot_mapping)
+            h2d += b.fill(pre + "seq_lens", plan.seq_lens)
             h2d += b.fill(pre + "block_tables", tables)
-            h2d += b.fill(pre + "query_start_loc", torch.tensor(qsl, dtype=torch.int32))
-            h2d += b.fill(pre + "logits_index", torch.tensor(plan.logits_index, dtype=torch.int64))
+            h2d += b.fill(pre + "query_start_loc", qsl)
+            h2d += b.fill(pre + "logits_index", plan.logits_index)
         transfers["h2d"] += h2d
         return AttentionMetadata(
             positions=b.view(pre + "positions", tokens),

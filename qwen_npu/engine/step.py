@@ -211,7 +211,7 @@ def book(engine, plan: StepPlan, draft: StepDraft, step_hook) -> LedgerWrites:
             manager.keep_private(rid, why)
     for row in plan.rows[:plan.num_active]:       # drafts are not computed tokens until accepted
         row.request.num_computed_tokens = row.end - len(row.drafts)
-        manager.commit(row.request.id, row.request.all_token_ids, row.end - len(row.drafts))
+        manager.commit(row.request.id, row.request.token_ids, row.end - len(row.drafts))
     writes = engine.ledger.prepare(plan.index, plan.slot_mapping, plan.token_request_ids, plan.positions,
                                    plan.token_rows, plan.token_kinds)
     fault_point("booked")

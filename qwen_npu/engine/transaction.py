@@ -15,7 +15,9 @@ state is then "as after"), or at once when the call next enters an ``interruptib
 (the forward), inside the region whose failure restores the K/V (the state is then "as
 before"). Raising there closes the region first, so the code that cleans up after it runs with
 Ctrl-C held back again. A process that ignores SIGINT keeps ignoring it. Only the main thread
-receives signals.
+receives signals. The handler is read and set through ``_signal``, the C module under ``signal``:
+the same calls without ``signal``'s conversion of handlers to enums, which costs more than the
+rest of a call's hold and release together.
 
 The draft: ``RequestDraft`` stands in for a ``Request`` while a step is planned and booked. It
 holds the request's fields that never change (id, prompt, sampling) and its own copy of every
@@ -28,6 +30,7 @@ way.
 """
 from __future__ import annotations
 
+import _signal
 import contextlib
 import signal
 import threading
@@ -37,7 +40,7 @@ import torch
 
 from ..errors import warn
 from . import sampler
-from .request import ABORTED, DECODING, FINISHED, FIXED_FIELDS, PREFILLING, STEP_FIELDS, WAITING, Request
+from .request import ABORTED, DECODING, FINISHED, FIXED_FIELDS, PREFILLING, STEP_FIELDS, WAITING, Request, TokenIds
 
 _injector: Callable[[str], None] | None = None
 
@@ -105,11 +108,11 @@ def hold_interrupts():
     """Install the holding handler for an outermost call on the main thread (None otherwise)."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    current = signal.getsignal(signal.SIGINT)
+    current = _signal.getsignal(signal.SIGINT)
     if isinstance(current, HeldInterrupts) or current is None:
         return None                              # a call inside a call, or a handler not set from Python
     held = HeldInterrupts(current)
-    signal.signal(signal.SIGINT, held)
+    _signal.signal(signal.SIGINT, held)
     return held
 
 
@@ -119,7 +122,7 @@ def release_interrupts(held, keeps: str | None = None) -> None:
     if held is None:
         return
     if keeps is None:
-        signal.signal(signal.SIGINT, held.previous)
+        _signal.signal(signal.SIGINT, held.previous)
         if held.pending:
             held.deliver()
         return
@@ -128,7 +131,7 @@ def release_interrupts(held, keeps: str | None = None) -> None:
     # A call that hands back a new object never raises from here: the previous handler goes back
     # on the last line that runs, so a Ctrl-C after it lands in the caller's code, with the object
     # in hand (one on this very line is held back and not raised).
-    signal.signal(signal.SIGINT, held.previous)
+    _signal.signal(signal.SIGINT, held.previous)
 
 
 class _NoSignals:
@@ -149,7 +152,7 @@ def held_interrupts():
     """The handler of the call in progress (a no-op stand-in off the main thread or outside a call)."""
     if threading.current_thread() is not threading.main_thread():
         return NO_SIGNALS
-    handler = signal.getsignal(signal.SIGINT)
+    handler = _signal.getsignal(signal.SIGINT)
     return handler if isinstance(handler, HeldInterrupts) else NO_SIGNALS
 
 
@@ -163,18 +166,38 @@ class RequestDraft:
     __slots__ = ("request", "_tokens_copied") + FIXED_FIELDS + STEP_FIELDS
 
     def __init__(self, req: Request):
+        # every name of FIXED_FIELDS + STEP_FIELDS, written out: a loop of getattr/setattr costs
+        # four times as much, once per request per step (a field left out reads as AttributeError)
         self.request = req
-        for name in FIXED_FIELDS + STEP_FIELDS:
-            setattr(self, name, getattr(req, name))     # the lists are copied before the first append
+        self.id, self.prompt_token_ids, self.sampling = req.id, req.prompt_token_ids, req.sampling
+        self.stop_token_ids, self.prompt_text = req.stop_token_ids, req.prompt_text
+        self.status, self.num_computed_tokens = req.status, req.num_computed_tokens
+        self.num_cached_tokens, self.num_preemptions = req.num_cached_tokens, req.num_preemptions
+        self.output_token_ids, self.logprobs = req.output_token_ids, req.logprobs   # copied before the first append
+        self.finish_reason, self.stop_reason = req.finish_reason, req.stop_reason
+        self.stop_strings, self.draft_token_ids, self.spec_stats = req.stop_strings, req.draft_token_ids, req.spec_stats
         self._tokens_copied = False
+
+    def write_back(self) -> None:
+        """Assign every field of STEP_FIELDS to the request (plain assignments: cannot fail)."""
+        req = self.request
+        req.status, req.num_computed_tokens = self.status, self.num_computed_tokens
+        req.num_cached_tokens, req.num_preemptions = self.num_cached_tokens, self.num_preemptions
+        req.output_token_ids, req.logprobs = self.output_token_ids, self.logprobs
+        req.finish_reason, req.stop_reason = self.finish_reason, self.stop_reason
+        req.stop_strings, req.draft_token_ids, req.spec_stats = self.stop_strings, self.draft_token_ids, self.spec_stats
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.request.prompt_token_ids + self.output_token_ids
 
     @property
+    def token_ids(self) -> TokenIds:
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def is_done(self) -> bool:
@@ -270,9 +293,7 @@ class StepDraft:
         if self._manager is not None:
             self.live_manager.adopt(self._manager)
         for d in self.drafts.values():
-            req = d.request
-            for name in STEP_FIELDS:
-                setattr(req, name, getattr(d, name))
+            d.write_back()
         generators.update(self.generators)
 
 

@@ -127,5 +127,5 @@ def rollback(draft, req, row, kept: int) -> None:
     req.spec_stats = req.spec_stats.add(len(row.drafts), kept)
     m = draft.manager
     if m.has(req.id):                            # a request that just finished holds no blocks
-        m.commit(req.id, req.all_token_ids, computed)
+        m.commit(req.id, req.token_ids, computed)
         m.truncate(req.id, blocks_needed(computed, m.block_size))

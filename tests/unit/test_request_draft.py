@@ -23,6 +23,21 @@ def test_a_draft_has_the_request_fields_and_nothing_else():
         d.not_a_field = 1
 
 
+def test_a_draft_copies_every_field_and_writes_back_every_step_field():
+    req = make_request()
+    marks = {name: object() for name in FIXED_FIELDS + STEP_FIELDS}     # one distinct value per field
+    for name, mark in marks.items():
+        object.__setattr__(req, name, mark)
+    d = RequestDraft(req)
+    assert {name: getattr(d, name) is mark for name, mark in marks.items()} == dict.fromkeys(marks, True)
+    staged = {name: object() for name in STEP_FIELDS}
+    for name, mark in staged.items():
+        setattr(d, name, mark)
+    d.write_back()
+    assert {name: getattr(req, name) is mark for name, mark in staged.items()} == dict.fromkeys(staged, True)
+    assert all(getattr(req, name) is marks[name] for name in FIXED_FIELDS)
+
+
 def test_staged_tokens_reach_the_request_only_when_the_draft_is_applied():
     req = make_request()
     step = StepDraft(KVCacheManager(num_blocks=4, block_size=4), requests={req.id: req})
