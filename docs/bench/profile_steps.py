@@ -7,8 +7,12 @@ synchronous, so the time of a call is the time of its work):
     linear    the q/k/v, o, gate/up and down projections     lm_head   the logits rows
     attention paged_attention                                write_kv  the K/V scatter
     norms     rms_norm, add_rms_norm, rope, qk_norm_rope     other     the rest of the forward
-                                                             (silu_mul included)
+                                                             (silu_mul, greedy_health included)
     engine    the step outside the forward: scheduling, slot checks, buffers, sampling, bookkeeping
+
+The timed set has every function the set has (any it does not time is handed through), so the
+model takes the same route through it as through the set itself: the fused LM head with greedy
+sampling's read (``lm_head``, timed as lm_head) included.
 """
 from __future__ import annotations
 
@@ -23,11 +27,12 @@ PARTS = ("linear", "lm_head", "attention", "write_kv", "norms", "other", "engine
 KERNEL_PARTS = {"write_kv": "write_kv", "paged_attention": "attention", "rms_norm": "norms",
                 "add_rms_norm": "norms", "rope": "norms"}
 # Functions a set may lack (the model then makes separate calls): timed only when the set has them.
-OPTIONAL_PARTS = {"qk_norm_rope": "norms", "silu_mul": "other"}
+OPTIONAL_PARTS = {"qk_norm_rope": "norms", "silu_mul": "other", "lm_head": "lm_head", "greedy_health": "other"}
 
 
 class TimedKernels:
     def __init__(self, inner, vocab_size: int):
+        self._inner = inner
         self.seconds: collections.Counter = collections.Counter()
         for name, part in KERNEL_PARTS.items():
             setattr(self, name, self._timed(part, getattr(inner, name)))
@@ -42,6 +47,12 @@ class TimedKernels:
             self.seconds["lm_head" if panels.out_features(weight) == vocab_size else "linear"] += time.perf_counter() - t
             return y
         self.linear = linear
+
+    def __getattr__(self, name):
+        """A function of the set that is not timed (its time falls in "other")."""
+        if name.startswith("__") or name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
 
     def _timed(self, part, fn):
         def call(*args, **kwargs):
