@@ -269,7 +269,12 @@ def _fused(*tensors: torch.Tensor) -> bool:
     """Can the C++ elementwise kernels take these (cpu, one dtype, bf16 or fp32)? Called for every
     kernel call, so it reads only cheap attributes (``device`` builds a new object each time)."""
     dtype = tensors[0].dtype
-    return dtype in HALF_OR_FLOAT and all(t.is_cpu and t.dtype == dtype for t in tensors)
+    if dtype not in HALF_OR_FLOAT:
+        return False
+    for t in tensors:
+        if not t.is_cpu or t.dtype != dtype:
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -100,6 +100,8 @@ class Qwen3Model:
         self.points = [LayerPoints.of_layer(i) for i in range(c.num_hidden_layers)]
         self.scale = c.head_dim ** -0.5
         self.qkv_sizes = (c.q_size, c.kv_size, c.kv_size)                 # how qkv_proj's output splits
+        self.qkv_heads = (c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads)   # ... by heads
+        self.qkv_rows = sum(self.qkv_heads)
         self.cos, self.sin = rope_tables(c.head_dim, c.rope_theta, max_positions or c.max_position_embeddings,
                                          self.embed.device)          # [positions, head_dim] float32
 
@@ -145,11 +147,8 @@ class Qwen3Model:
                 h, residual = k_.add_rms_norm(x, residual, layer.input_norm, eps)
             residual, h = tap.stream(p.resid_pre, residual, h, layer.input_norm)
             h = tap(p.attn_in, h)
-            qkv = linear(h, layer.qkv)                                         # [tokens, q + 2 kv]
-            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
-            q = q.reshape(t, c.num_attention_heads, c.head_dim)               # [tokens, heads, hd]
-            k = k.reshape(t, c.num_key_value_heads, c.head_dim)               # [tokens, kv_heads, hd]
-            v = v.reshape(t, c.num_key_value_heads, c.head_dim)               # [tokens, kv_heads, hd]
+            qkv = linear(h, layer.qkv).reshape(t, self.qkv_rows, c.head_dim)  # [tokens, heads + 2 kv_heads, hd]
+            q, k, v = qkv.split_with_sizes(self.qkv_heads, dim=1)            # [tokens, heads | kv_heads, hd]
             if qk_norm_rope is not None:                                       # only without a hook
                 q, k = qk_norm_rope(q, k, layer.q_norm, layer.k_norm, eps, cos, sin)
             else:
