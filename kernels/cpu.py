@@ -343,6 +343,21 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor,
     return None if found[0] is None else found
 
 
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``silu_mul(linear(x, weight))`` in one pass over the gate|up weights, the same bits, where the
+    set has that pass: on AMX tiles (csrc/linear_amx.cpp) for up to ``AMX_ROWS`` bf16 rows of a
+    weight reordered for oneDNN whose products the tiles give to oneDNN's bits (``amx_agrees``),
+    2 x a multiple of 32 outputs. None, with nothing computed, everywhere else."""
+    if not (weight.is_mkldnn and x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= AMX_ROWS):
+        return None
+    if not amx_agrees(weight):
+        return None
+    _, _, address, (n, k) = weight._amx_agrees
+    if x.shape[1] != k or n % 64:
+        return None
+    return ops().gate_up_silu_amx(x, address, n)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2 * I] -> ``F.silu(gate) * up`` [..., I], gate and up the two halves, in one pass
     (silu rounded to the dtype before the product, as the two torch ops round)."""

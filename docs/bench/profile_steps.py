@@ -5,6 +5,7 @@ set, forwards every call and adds up the wall-clock seconds per part (on the CPU
 synchronous, so the time of a call is the time of its work):
 
     linear    the q/k/v, o, gate/up and down projections     lm_head   the logits rows
+              (gate_up_silu included)
     attention paged_attention                                write_kv  the K/V scatter
     norms     rms_norm, add_rms_norm, rope, qk_norm_rope     other     the rest of the forward
                                                              (silu_mul, greedy_health included)
@@ -27,7 +28,8 @@ PARTS = ("linear", "lm_head", "attention", "write_kv", "norms", "other", "engine
 KERNEL_PARTS = {"write_kv": "write_kv", "paged_attention": "attention", "rms_norm": "norms",
                 "add_rms_norm": "norms", "rope": "norms"}
 # Functions a set may lack (the model then makes separate calls): timed only when the set has them.
-OPTIONAL_PARTS = {"qk_norm_rope": "norms", "silu_mul": "other", "lm_head": "lm_head", "greedy_health": "other"}
+OPTIONAL_PARTS = {"qk_norm_rope": "norms", "silu_mul": "other", "lm_head": "lm_head", "greedy_health": "other",
+                  "gate_up_silu": "linear"}
 
 
 class TimedKernels:

@@ -18,8 +18,8 @@ namespace {
 
 using elementwise::grain_for;
 using elementwise::SILU_CHUNK;
+using vec512::act16;
 using vec512::BF;
-using vec512::exp16;
 using vec512::first;
 using vec512::load16;
 using vec512::round16;
@@ -105,18 +105,10 @@ QN_AVX512 void rounded_row(const float* cos, const float* sin, int64_t d, float*
   }
 }
 
-// silu(x) = x / (1 + exp(-x)), for x < 0 as x * e / (1 + e), e = exp(-|x|): activation.cpp's silu8.
-QN_AVX512 inline __m512 silu16(__m512 x) {
-  const __m512 e = exp16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
-  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 num = _mm512_mask_mul_ps(x, negative, x, e);
-  return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-}
-
 QN_AVX512 void silu_mul_piece(const BF* gate, const BF* up, int64_t i0, int64_t i1, BF* o) {
   for (int64_t i = i0; i < i1; i += 16) {
     const __mmask16 m = first(i1 - i);
-    store16(o + i, _mm512_mul_ps(round16(silu16(load16(gate + i, m))), load16(up + i, m)), m);
+    store16(o + i, act16(load16(gate + i, m), load16(up + i, m)), m);
   }
 }
 

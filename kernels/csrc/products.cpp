@@ -87,6 +87,21 @@ torch::Tensor linear_amx(torch::Tensor x, int64_t weight_address, int64_t n) {
   return y;
 }
 
+// linear_amx's gate|up form: x [M, K] times the [n, K] gate|up weights, then silu_mul, -> [M, n / 2]
+// bf16 (the bits of silu_mul(linear_amx(...))), or an undefined tensor where the kernel cannot take
+// the call (as linear_amx, and n not a multiple of 64).
+torch::Tensor gate_up_silu_amx(torch::Tensor x, int64_t weight_address, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
+              "cpu gate_up_silu_amx: x must be a 2-D bf16 cpu tensor, got ", x.sizes(), " ", x.scalar_type());
+  auto xc = x.contiguous();
+  auto act = torch::empty({xc.size(0), n / 2}, xc.options());
+  const auto* w = reinterpret_cast<const uint16_t*>(static_cast<uintptr_t>(weight_address));
+  if (!linear_amx_silu_kernel(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), xc.size(0), xc.size(1),
+                              w, n, reinterpret_cast<c10::BFloat16*>(act.data_ptr<at::BFloat16>())))
+    return torch::Tensor();
+  return act;
+}
+
 // The LM head's forms of the two products above: x [M, K] times the weights into ``logits``
 // [M, N] float32 (contiguous rows; the product's values, widened), returning each row's (argmax,
 // health code) made as the logits are stored; undefined tensors (nothing written) where the

@@ -188,6 +188,9 @@ void linear_bf16_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t*
 // false (nothing written) where the shape, the build or the process cannot take it
 bool linear_amx_available();
 bool linear_amx_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, c10::BFloat16* y);
+// the gate|up product [M, N] with silu_mul on it, into act [M, N / 2] bf16: the bits of
+// silu_mul(linear_amx(x, w)) (N a multiple of 64)
+bool linear_amx_silu_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, c10::BFloat16* act);
 // the same into float32 logits [M, N] (the bf16 values, widened), with each row's argmax and
 // health code made as the outputs are stored (greedy.h)
 bool linear_amx_logits_kernel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* logits,

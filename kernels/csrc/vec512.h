@@ -83,6 +83,17 @@ QN_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLE_UQ), out);   // underflow -> 0; NaN kept
 }
 
+// silu(x) = x / (1 + exp(-x)), for x < 0 as x * e / (1 + e), e = exp(-|x|): activation.cpp's silu8.
+QN_AVX512 inline __m512 silu16(__m512 x) {
+  const __m512 e = exp16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 num = _mm512_mask_mul_ps(x, negative, x, e);
+  return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// silu(gate) rounded to bf16, times up: one 16-lane piece of silu_mul (gate and up bf16 values).
+QN_AVX512 inline __m512 act16(__m512 gate, __m512 up) { return _mm512_mul_ps(round16(silu16(gate)), up); }
+
 }  // namespace vec512
 }  // namespace qwen_npu_cpu
 #endif

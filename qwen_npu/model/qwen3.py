@@ -14,7 +14,8 @@ q/k/v and gate/up projections are fused into one matrix each at load time (a vie
 loader placed them back to back, as it does on the CPU; a copy otherwise). The LM head runs
 only for the token rows that need a next token. A kernel set may bring fused ``qk_norm_rope``
 (q_norm, k_norm and RoPE in one call; used only when no hook is set, so hooks see the pre-RoPE
-tensors) and ``silu_mul``; without them the model makes the separate calls.
+tensors), ``silu_mul`` and ``gate_up_silu`` (the gate|up product and silu_mul in one pass; no
+hook point lies between them); without them the model makes the separate calls.
 
 Each hook point (``hooks.py``) is one call on the forward's tap (below) that returns the tensor to go on
 with, ``x = tap(name, x)``; without a hook the tap hands every tensor back unchanged.
@@ -131,6 +132,7 @@ class Qwen3Model:
         linear = getattr(k_, "linear", _linear)      # a kernel set may bring its own (F.linear's contract)
         qk_norm_rope = getattr(k_, "qk_norm_rope", None) if hook is None else None   # hooks see pre-RoPE q/k
         silu_mul = getattr(k_, "silu_mul", _silu_mul)
+        gate_up_silu = getattr(k_, "gate_up_silu", None)   # silu_mul(linear(h, gate_up)) in one pass, or None
         c = self.config
         t = input_ids.shape[0]
         eps = c.rms_norm_eps
@@ -168,7 +170,10 @@ class Qwen3Model:
             h, residual = k_.add_rms_norm(x, residual, layer.post_norm, eps)
             residual, h = tap.stream(p.resid_mid, residual, h, layer.post_norm)
             h = tap(p.mlp_in, h)
-            act = tap(p.mlp_act, silu_mul(linear(h, layer.gate_up)))          # [tokens, intermediate]
+            act = gate_up_silu(h, layer.gate_up) if gate_up_silu is not None else None
+            if act is None:
+                act = silu_mul(linear(h, layer.gate_up))
+            act = tap(p.mlp_act, act)                                          # [tokens, intermediate]
             x = linear(act, layer.down)                                          # [tokens, hidden]
             if self.all_reduce is not None:
                 x = self.all_reduce(x)

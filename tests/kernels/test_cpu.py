@@ -382,24 +382,28 @@ def test_an_interrupt_inside_a_cpu_product_leaves_the_session_as_it_was(bf16_ckp
                                                       progress=False)]
     sess = Session.from_pretrained(bf16_ckpt, kernels="cpu", max_batch=4, chunk_size=16, max_model_len=128)
     reqs = [sess.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True)) for p in prompts]
-    real = cpu.linear
+    real = {name: getattr(cpu, name) for name in ("linear", "gate_up_silu")}   # every product of a step
     for fail_at in (3, 40):                       # early in a prefill; inside a later step's forward
         sess.step()
         calls = []
 
-        def failing(x, w):
-            calls.append(1)
-            if len(calls) == fail_at:
-                raise exc("interrupted inside a product")
-            return real(x, w)
-        monkeypatch.setattr(cpu, "linear", failing)
+        def failing(fn):
+            def call(x, w):
+                calls.append(1)
+                if len(calls) == fail_at:
+                    raise exc("interrupted inside a product")
+                return fn(x, w)
+            return call
+        for name, fn in real.items():
+            monkeypatch.setattr(cpu, name, failing(fn))
         while True:                               # steps commit until the one that fails inside
             before = sess.state_digest()
             try:
                 sess.step()
             except exc:
                 break
-        monkeypatch.setattr(cpu, "linear", real)
+        for name, fn in real.items():
+            monkeypatch.setattr(cpu, name, fn)
         assert len(calls) == fail_at
         assert sess.state_digest() == before, before.diff(sess.state_digest())
         assert sess.check().ok

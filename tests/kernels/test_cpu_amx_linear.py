@@ -108,3 +108,72 @@ def test_a_weight_the_kernel_misreads_stays_with_onednn(monkeypatch):
     assert w._amx_agrees[:2] == (torch.get_num_threads(), False)
     checked = len(sent)
     assert torch.equal(cpu.linear(x, w), onednn.linear(x, w)) and len(sent) == checked
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("n, k", [(6144, 1024), (128, 64), (64, 32)])
+def test_gate_up_silu_gives_the_bits_of_the_product_then_silu_mul(n, k):
+    w = reordered(n, k, seed=n)
+    gen = torch.Generator().manual_seed(k)
+    for rows in (1, 2, 5, 8, 13, 16):
+        x = torch.randn(rows, k, generator=gen).bfloat16() * 4             # gate values well below and above 0
+        fused = cpu.gate_up_silu(x, w)
+        assert fused is not None and fused.shape == (rows, n // 2)
+        assert torch.equal(bits(fused), bits(cpu.silu_mul(cpu.linear(x, w)))), rows
+
+
+def test_gate_up_silu_passes_non_finite_values_as_the_two_calls_do():
+    w = reordered(128, 64, seed=7)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    x[1, 3], x[2, 9], x[3] = float("nan"), float("inf"), 1e30            # NaN, inf and huge sums
+    fused = cpu.gate_up_silu(x, w)
+    assert torch.equal(bits(fused), bits(cpu.silu_mul(cpu.linear(x, w))))
+
+
+def test_gate_up_silu_declines_what_it_cannot_take():
+    w = reordered(128, 64, seed=9)
+    x = torch.randn(4, 64).bfloat16()
+    assert cpu.gate_up_silu(torch.randn(17, 64).bfloat16(), w) is None                 # more than AMX_ROWS rows
+    assert cpu.gate_up_silu(x.float(), w) is None                                       # not bf16
+    assert cpu.gate_up_silu(x, torch.randn(128, 64).bfloat16()) is None               # a plain weight
+    assert cpu.gate_up_silu(torch.randn(4, 32).bfloat16(), w) is None                  # K disagrees
+    assert cpu.gate_up_silu(x, reordered(96, 64, seed=10)) is None                     # I = 48: not whole blocks
+    address = torch.ops.mkldnn.data_ptr(w)                                              # the kernel's own refusals
+    for rows, k, n in ((17, 64, 128), (0, 64, 128), (4, 48, 128), (4, 64, 96)):
+        assert cpu.ops().gate_up_silu_amx(torch.zeros(rows, k).bfloat16(), address, n) is None
+
+
+def test_a_weight_whose_product_disagrees_is_not_fused(monkeypatch):
+    w = reordered(128, 64, seed=11)
+    x = torch.randn(4, 64).bfloat16()
+    cpu.amx_agrees(w)
+    monkeypatch.setattr(w, "_amx_agrees", (w._amx_agrees[0], False) + w._amx_agrees[2:])
+    assert cpu.gate_up_silu(x, w) is None
+
+
+def test_a_bf16_session_fuses_the_gate_up_product_with_the_same_logits(tiny_ckpt, monkeypatch):
+    from qwen_npu import SamplingParams, Session
+
+    def run() -> torch.Tensor:
+        sess = Session.from_pretrained(tiny_ckpt, kernels="cpu", dtype="bfloat16", max_model_len=128, num_blocks=32)
+        reqs = [sess.add_request([5 + i] * (9 + i), SamplingParams(max_new_tokens=3, ignore_eos=True)) for i in range(3)]
+        logits = []
+        while not all(r.is_done for r in reqs):
+            step = sess.step()
+            logits.append(step.logits.to_host())
+        return torch.cat(logits)
+
+    real, used = cpu.gate_up_silu, []
+
+    def counted(x, weight):
+        out = real(x, weight)
+        used.append((x.shape[0] <= cpu.AMX_ROWS, out is not None))
+        return out
+    monkeypatch.setattr(cpu, "gate_up_silu", counted)
+    fused = run()
+    assert (True, True) in used and all(small == took for small, took in used)    # decode rows fused, prefill not
+    monkeypatch.setattr(cpu, "gate_up_silu", lambda x, weight: None)       # the two calls instead
+    assert torch.equal(fused, run())

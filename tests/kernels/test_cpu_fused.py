@@ -113,13 +113,15 @@ def bf16_ckpt(tmp_path_factory):
 
 
 def test_the_model_fuses_without_hooks_and_keeps_hook_points_exact(bf16_ckpt, monkeypatch):
-    """Without a hook the forward calls qk_norm_rope and silu_mul once per layer; with one it takes
-    the separate calls, so a hook sees q and k before RoPE and its edits take effect."""
+    """Without a hook the forward calls qk_norm_rope and the SiLU-mul once per layer (silu_mul, or
+    gate_up_silu where the set fuses it with the product); with one it takes the separate calls for
+    q and k, so a hook sees q and k before RoPE and its edits take effect."""
     calls = {"qk_norm_rope": 0, "silu_mul": 0}
-    for name in calls:
-        def counted(*args, _fn=getattr(cpu, name), _name=name):
-            calls[_name] += 1
-            return _fn(*args)
+    for name, part in (("qk_norm_rope", "qk_norm_rope"), ("silu_mul", "silu_mul"), ("gate_up_silu", "silu_mul")):
+        def counted(*args, _fn=getattr(cpu, name), _part=part):
+            out = _fn(*args)
+            calls[_part] += out is not None
+            return out
         monkeypatch.setattr(cpu, name, counted)
     sess = Session.from_pretrained(bf16_ckpt, kernels="cpu", max_batch=2, chunk_size=16, max_model_len=64,
                                    prefix_cache=False)
