@@ -347,10 +347,13 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``silu_mul(linear(x, weight))`` in one pass over the gate|up weights, the same bits, where the
     set has that pass: on AMX tiles (csrc/linear_amx.cpp) for up to ``AMX_ROWS`` bf16 rows of a
     weight reordered for oneDNN whose products the tiles give to oneDNN's bits (``amx_agrees``),
-    2 x a multiple of 32 outputs. None, with nothing computed, everywhere else."""
-    if not (weight.is_mkldnn and x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= AMX_ROWS):
+    2 x a multiple of 32 outputs; on 16-column panels (csrc/linear_packed.cpp) below
+    ``WIDEN_ROWS`` bf16 rows, an even number of panels. None, with nothing computed, elsewhere."""
+    if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0 and x.is_cpu):
         return None
-    if not amx_agrees(weight):
+    if weight.dim() == 3:          # 16-column panels
+        return ops().gate_up_silu_packed(x, weight, WIDEN_ROWS) if x.shape[1] == weight.shape[1] else None
+    if not (weight.is_mkldnn and x.shape[0] <= AMX_ROWS and amx_agrees(weight)):
         return None
     _, _, address, (n, k) = weight._amx_agrees
     if x.shape[1] != k or n % 64:

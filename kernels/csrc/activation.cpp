@@ -5,25 +5,10 @@
 #include <algorithm>
 
 namespace qwen_npu_cpu {
-namespace {
 
+using elementwise::act8;
 using elementwise::round8;
 using elementwise::store8;
-
-// silu(x) = x / (1 + exp(-x)), as torch computes it; for x < 0 as x * e / (1 + e) with
-// e = exp(x), so that exp never overflows. Both branches take e = exp(-|x|) <= 1.
-inline __m256 silu8(__m256 x) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256 e = exp_neg(_mm256_xor_ps(_mm256_and_ps(x, abs_mask), _mm256_set1_ps(-0.0f)));
-  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-  const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), negative);
-  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-}
-
-template <typename T>
-inline __m256 act8(__m256 gate, __m256 up) { return _mm256_mul_ps(round8<T>(silu8(gate)), up); }
-
-}  // namespace
 
 template <typename T>
 void silu_mul_kernel(const T* gate_up, int64_t row_stride, int64_t rows, int64_t n, T* act) {

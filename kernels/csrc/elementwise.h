@@ -1,5 +1,6 @@
 // The elementwise kernels (norm.cpp, activation.cpp): rounding 8 fp32 lanes to the storage dtype
-// exactly as torch does, and the declarations of the fused per-layer kernels.
+// exactly as torch does, SiLU-mul's 8-lane steps (also the epilogue of linear_packed.cpp's gate|up
+// form), and the declarations of the fused per-layer kernels.
 #pragma once
 #include "vec.h"
 #include <algorithm>
@@ -48,6 +49,20 @@ inline void store_rows16(const float* sums, int64_t rows, T* y, int64_t ldy) {
     store8(y + m * ldy + 8, _mm256_loadu_ps(sums + m * 16 + 8));
   }
 }
+
+// silu(x) = x / (1 + exp(-x)), as torch computes it; for x < 0 as x * e / (1 + e) with
+// e = exp(x), so that exp never overflows. Both branches take e = exp(-|x|) <= 1.
+inline __m256 silu8(__m256 x) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 e = exp_neg(_mm256_xor_ps(_mm256_and_ps(x, abs_mask), _mm256_set1_ps(-0.0f)));
+  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), negative);
+  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+// silu(gate) rounded to T, times up (gate and up already T's values): one 8-lane piece of silu_mul.
+template <typename T>
+inline __m256 act8(__m256 gate, __m256 up) { return _mm256_mul_ps(round8<T>(silu8(gate)), up); }
 
 // Work per thread in the elementwise kernels: at least 16K elements, so that a batch-1 decode
 // step's calls run inline and batch 16 uses both cores of a small machine (they are bound by

@@ -18,7 +18,9 @@
 //
 // The LM head's form (linear_packed_logits_kernel, few rows) stores the bf16-rounded values widened
 // to fp32 into the logits and scans each row as it is stored (greedy.h), so that greedy sampling
-// and the health check need no second read of the logits.
+// and the health check need no second read of the logits. The gate|up form (linear_packed_silu_kernel,
+// few rows) makes each item of gate panels and the same item of up panels, and stores silu_mul of
+// their bf16 values: no [M, 2 I] product is written or read.
 //
 // Every output is one fp32 sum per block of LINEAR_KC values of k, in k order, and the blocks'
 // sums are added in order, rounded once to y's dtype as it is stored: the same bits for every
@@ -90,43 +92,50 @@ using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t
                         const float*);
 constexpr TileFn TILE[GROUP + 1] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>};
 
+// The sums of work item ``item`` (panels [PANELS item, PANELS item + np), outputs [16 PANELS item, ..))
+// for few rows into acc [panel][row][16]; part [panel][row][16] holds a block's sums under way when
+// M > GROUP. Returns np.
+int64_t item_sums(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, int64_t item, float* acc,
+                  float* part) {
+  const int64_t ldp = 16 * K, p0 = item * PANELS, np = std::min(PANELS, P - p0);
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    const uint16_t* b = w + (p0 * K + k0) * 16;
+    const float* done = k0 > 0 ? acc : nullptr;
+    if (M == 1 && np == PANELS) {
+      tile<1, PANELS>(x + k0, K, b, ldp, kc, acc, 16, nullptr, done);
+      continue;
+    }
+    // Several passes of 6 rows: they take CHUNK values of k in turn, so that each chunk of
+    // weights is read from memory once and then served from L1 to the other passes while the
+    // next one streams in (a whole block per pass leaves memory idle for two passes of three).
+    const int64_t chunk = M > GROUP ? CHUNK : kc;
+    for (int64_t c0 = 0; c0 < kc; c0 += chunk) {
+      const int64_t ch = std::min(chunk, kc - c0);
+      const bool first = c0 == 0, last = c0 + ch >= kc;
+      for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
+        const int64_t mr = std::min(GROUP, M - m0), at = m0 * 16;
+        for (int64_t j = 0; j < np; ++j)
+          TILE[mr](x + m0 * K + k0 + c0, K, b + j * ldp + c0 * 16, ldp, ch,
+                   (last ? acc : part) + j * M * 16 + at, M * 16,
+                   first ? nullptr : part + j * M * 16 + at,
+                   last && done ? done + j * M * 16 + at : nullptr);
+      }
+    }
+  }
+  return np;
+}
+
 // Work items [i0, i1) of PANELS panels each (outputs [16 PANELS i0, 16 PANELS i1)) for few rows.
 // Logits (Y float, ``scans`` set): the sums rounded to bf16 and widened back as they are stored,
 // each row's stored values scanned into scans[row] (greedy.h).
 template <typename Y>
 void few_items(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y, int64_t i0, int64_t i1,
                greedy::Scan* scans) {
-  const int64_t ldp = 16 * K;
   // acc: the sums of the blocks done; part: those of the block under way  [panel][row][16]
   std::vector<float> acc(PANELS * M * 16), part(M > GROUP ? PANELS * M * 16 : 0);
   for (int64_t item = i0; item < i1; ++item) {
-    const int64_t p0 = item * PANELS, np = std::min(PANELS, P - p0);
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-      const int64_t kc = std::min(KC, K - k0);
-      const uint16_t* b = w + (p0 * K + k0) * 16;
-      float* sums = acc.data();
-      const float* done = k0 > 0 ? sums : nullptr;
-      if (M == 1 && np == PANELS) {
-        tile<1, PANELS>(x + k0, K, b, ldp, kc, sums, 16, nullptr, done);
-        continue;
-      }
-      // Several passes of 6 rows: they take CHUNK values of k in turn, so that each chunk of
-      // weights is read from memory once and then served from L1 to the other passes while the
-      // next one streams in (a whole block per pass leaves memory idle for two passes of three).
-      const int64_t chunk = M > GROUP ? CHUNK : kc;
-      for (int64_t c0 = 0; c0 < kc; c0 += chunk) {
-        const int64_t ch = std::min(chunk, kc - c0);
-        const bool first = c0 == 0, last = c0 + ch >= kc;
-        for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
-          const int64_t mr = std::min(GROUP, M - m0), at = m0 * 16;
-          for (int64_t j = 0; j < np; ++j)
-            TILE[mr](x + m0 * K + k0 + c0, K, b + j * ldp + c0 * 16, ldp, ch,
-                     (last ? sums : part.data()) + j * M * 16 + at, M * 16,
-                     first ? nullptr : part.data() + j * M * 16 + at,
-                     last && done ? done + j * M * 16 + at : nullptr);
-        }
-      }
-    }
+    const int64_t p0 = item * PANELS, np = item_sums(x, M, K, w, P, item, acc.data(), part.data());
     if constexpr (std::is_same_v<Y, float>) {
       if (scans != nullptr) {
         for (int64_t r = 0; r < M; ++r) {
@@ -145,6 +154,27 @@ void few_items(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
   }
 }
 
+// The gate|up form, work items [i0, i1) of the PG = I / 16 gate panels: item i's gate panels and
+// the same panels of the up half (PG further), rounded to bf16 as few_items stores them and put
+// through silu_mul's 8-lane steps into act [M, I].
+void silu_items(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t PG, c10::BFloat16* act, int64_t i0,
+                int64_t i1) {
+  std::vector<float> gate(PANELS * M * 16), up(PANELS * M * 16), part(M > GROUP ? PANELS * M * 16 : 0);
+  const int64_t I = 16 * PG;
+  for (int64_t item = i0; item < i1; ++item) {
+    const int64_t np = item_sums(x, M, K, w, PG, item, gate.data(), part.data());
+    item_sums(x, M, K, w + PG * K * 16, PG, item, up.data(), part.data());
+    for (int64_t j = 0; j < np; ++j)
+      for (int64_t r = 0; r < M; ++r)
+        for (int h = 0; h < 2; ++h) {
+          const int64_t at = (j * M + r) * 16 + h * 8;
+          const __m256 g = elementwise::round8<c10::BFloat16>(_mm256_loadu_ps(gate.data() + at));
+          const __m256 u = elementwise::round8<c10::BFloat16>(_mm256_loadu_ps(up.data() + at));
+          elementwise::store8(act + r * I + (item * PANELS + j) * 16 + h * 8, elementwise::act8<c10::BFloat16>(g, u));
+        }
+  }
+}
+
 // Outputs [0, 16 P) for few rows: work items of PANELS panels spread over the threads.
 template <typename Y>
 void linear_few(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y) {
@@ -159,6 +189,14 @@ void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* 
                           int64_t widen_rows) {
   if (M >= widen_rows) return linear_panels_packed(x, M, K, w, P, y);
   linear_few(x, M, K, w, P, y);
+}
+bool linear_packed_silu_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P,
+                               c10::BFloat16* act, int64_t widen_rows) {
+  if (M < 1 || M >= widen_rows || P < 2 || P % 2 != 0) return false;
+  const int64_t PG = P / 2;
+  at::parallel_for(0, (PG + PANELS - 1) / PANELS, 1,
+                   [&](int64_t i0, int64_t i1) { silu_items(x, M, K, w, PG, act, i0, i1); });
+  return true;
 }
 bool linear_packed_logits_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, float* logits,
                                  int64_t* ids, int64_t* codes, int64_t widen_rows) {

@@ -196,6 +196,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &qwen_npu_cpu::bf16_dot_available, "was the AVX512-BF16 linear compiled in?");
   m.def("has_amx_linear", &qwen_npu_cpu::linear_amx_available, "was the AMX linear compiled in, with the tiles granted?");
   m.def("linear_amx", &qwen_npu_cpu::linear_amx, "y = x @ w.T for up to 16 bf16 rows, w in oneDNN's blocked layout");
+  m.def("gate_up_silu_packed", &qwen_npu_cpu::gate_up_silu_packed,
+        "silu_mul(linear_packed(x, gate|up panels)) in one pass over the panels, the same bits");
   m.def("gate_up_silu_amx", &qwen_npu_cpu::gate_up_silu_amx,
         "silu_mul(linear_amx(x, gate|up)) in one pass over the weights, the same bits");
   m.def("lm_head_amx", &qwen_npu_cpu::lm_head_amx,

@@ -53,6 +53,25 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t widen
   return y.view(sizes);
 }
 
+// linear_packed's gate|up form: bf16 x [M, K] times gate|up panels [P, K, 16] (P even: gate then up),
+// then silu_mul -> [M, 8 P] bf16, or an undefined tensor where the kernel cannot take the call
+// (widen_rows rows or more, an odd P).
+torch::Tensor gate_up_silu_packed(torch::Tensor x, torch::Tensor panels, int64_t widen_rows) {
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && panels.dim() == 3 && panels.size(2) == 16 &&
+                  panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && x.dim() == 2 &&
+                  x.scalar_type() == at::kBFloat16 && x.size(1) == panels.size(1),
+              "cpu gate_up_silu_packed: bf16 x [M, K] and contiguous bf16 panels [P, K, 16] expected, got ",
+              x.sizes(), " ", x.scalar_type(), " and ", panels.sizes(), " ", panels.scalar_type());
+  auto x2 = x.to(at::kFloat).contiguous();
+  const int64_t P = panels.size(0);
+  auto act = torch::empty({x.size(0), 8 * P}, x.options());
+  if (!linear_packed_silu_kernel(x2.data_ptr<float>(), x2.size(0), x2.size(1),
+                                 reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), P,
+                                 act.data_ptr<c10::BFloat16>(), widen_rows))
+    return torch::Tensor();
+  return act;
+}
+
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu linear_bf16: tensors must be on the cpu");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,

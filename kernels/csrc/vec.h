@@ -174,6 +174,11 @@ constexpr int64_t LINEAR_KC = 256;    // k per block of both kernels' sums (16 x
 template <typename Y>
 void linear_packed_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y,
                           int64_t widen_rows);
+// the gate|up panels [2 I / 16] for few rows (M < widen_rows) with silu_mul on the product, into
+// act [M, I] bf16: the bits of silu_mul(linear_packed(x, w)) for bf16 x; false (nothing written)
+// from widen_rows rows on or for an odd number of panels
+bool linear_packed_silu_kernel(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P,
+                               c10::BFloat16* act, int64_t widen_rows);
 // the same for few rows (M < widen_rows) into float32 logits [M, 16 P] (the bf16-rounded values,
 // widened), with each row's argmax and health code made as the outputs are stored (greedy.h);
 // false (nothing written) from widen_rows rows on

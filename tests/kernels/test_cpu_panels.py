@@ -176,3 +176,58 @@ def test_a_packed_lm_head_fills_a_logits_buffer_of_the_models_dtype(ckpt, monkey
         sess.add_request(list(range(3, 20)), SamplingParams(max_new_tokens=2, temperature=0.0))
         logits.append(sess.prefill().logits.to_host().float())
     assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("n, k", [(6144, 1024), (128, 64), (96, 32), (32, 48)])
+def test_gate_up_silu_on_panels_gives_the_bits_of_the_product_then_silu_mul(n, k):
+    """Every row count below WIDEN_ROWS (one row against four panels, passes of six rows), an
+    item of fewer than four panels (n 96: three gate panels), NaN, inf and huge sums."""
+    w = panels.pack((torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.2).bfloat16())
+    gen = torch.Generator().manual_seed(k)
+    for rows in (1, 2, 5, 6, 7, 13, 16, 40, cpu.WIDEN_ROWS - 1):
+        x = (torch.randn(rows, k, generator=gen) * 4).bfloat16()
+        if rows > 2:
+            x[1, 0], x[2, 1], x[-1] = float("nan"), float("inf"), 1e30
+        fused = cpu.gate_up_silu(x, w)
+        assert fused is not None and fused.shape == (rows, n // 2)
+        assert torch.equal(_bits(fused), _bits(cpu.silu_mul(cpu.linear(x, w)))), rows
+
+
+def test_gate_up_silu_on_panels_declines_what_it_cannot_take():
+    w = panels.pack(torch.randn(128, 64).bfloat16())
+    x = torch.randn(4, 64).bfloat16()
+    assert cpu.gate_up_silu(torch.randn(cpu.WIDEN_ROWS, 64).bfloat16(), w) is None   # the many-rows layout
+    assert cpu.gate_up_silu(x.float(), w) is None                                     # not bf16
+    assert cpu.gate_up_silu(torch.randn(4, 32).bfloat16(), w) is None                 # K disagrees
+    assert cpu.gate_up_silu(x, panels.pack(torch.randn(48, 64).bfloat16())) is None   # three panels: no halves
+    assert cpu.gate_up_silu(x, torch.randn(128, 64).bfloat16()) is None              # a plain weight
+    with pytest.raises(RuntimeError, match="gate_up_silu_packed"):
+        cpu.ops().gate_up_silu_packed(torch.randn(4, 64), w, cpu.WIDEN_ROWS)            # fp32 x past the check
+
+
+def test_a_session_on_panels_fuses_the_gate_up_product_with_the_same_logits(ckpt, monkeypatch):
+    monkeypatch.setattr(cpu_features, "native_bf16", lambda: (False, "as an AVX2 machine"))
+
+    def run() -> torch.Tensor:
+        sess = Session.from_pretrained(ckpt, kernels="cpu", dtype="bfloat16", num_blocks=64)
+        reqs = [sess.add_request([5 + i] * (9 + i), SamplingParams(max_new_tokens=3, ignore_eos=True)) for i in range(3)]
+        logits = []
+        while not all(r.is_done for r in reqs):
+            logits.append(sess.step().logits.to_host())
+        return torch.cat(logits)
+
+    real, used = cpu.gate_up_silu, []
+
+    def counted(x, weight):
+        out = real(x, weight)
+        used.append(out is not None)
+        return out
+    monkeypatch.setattr(cpu, "gate_up_silu", counted)
+    fused = run()
+    assert used and all(used)                      # every step here has fewer than WIDEN_ROWS tokens
+    monkeypatch.setattr(cpu, "gate_up_silu", lambda x, weight: None)
+    assert torch.equal(fused, run())
