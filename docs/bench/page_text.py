@@ -23,7 +23,8 @@ FAST = """## What makes qwen-npu fast here
   the most work first, so rows of different contexts keep both cores busy to the end.
 - Plain weights live in one 2 MiB-aligned arena advised for transparent huge pages.
 - q/k head norms and RoPE run as one kernel, SiLU-mul as another, on 16 lanes where the CPU has
-  AVX-512 (`csrc/elementwise_avx512.cpp`, the bits of the 8-lane kernels); greedy sampling and
+  AVX-512 (`csrc/elementwise_avx512.cpp`, the bits of the 8-lane kernels); in decode-sized steps
+  SiLU-mul is the epilogue of the gate|up product itself (`gate_up_silu`); greedy sampling and
   the logits health check share one read of the logits (`csrc/greedy.cpp`), and in a step
   sampled in the call that runs it, the LM head's own pass makes them as it stores the logits
   (`lm_head`, `csrc/greedy.h`).
