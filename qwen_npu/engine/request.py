@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from ..errors import InvalidRequestError
 from .logprobs import TokenLogprob
@@ -144,37 +144,6 @@ def _token_ids(value) -> tuple[int, ...]:
     return tuple(t.__index__() for t in value)
 
 
-class TokenIds(Sequence):
-    """``prompt + output`` read in place: the same ints as ``all_token_ids`` without copying either
-    list, so that a step reading a few of a request's tokens costs the same at any context length.
-    A view of the two lists as they are when it is made (use it at once)."""
-
-    __slots__ = ("_prompt", "_output")
-
-    def __init__(self, prompt: list[int], output: list[int]):
-        self._prompt, self._output = prompt, output
-
-    def __len__(self) -> int:
-        return len(self._prompt) + len(self._output)
-
-    def __getitem__(self, i):
-        n = len(self._prompt)
-        if isinstance(i, slice):
-            start, stop, stride = i.indices(len(self))
-            if stride != 1:
-                return [self[j] for j in range(start, stop, stride)]
-            if stop <= n:
-                return self._prompt[start:stop]
-            if start >= n:
-                return self._output[start - n:stop - n]
-            return self._prompt[start:] + self._output[:stop - n]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"token {i} of {len(self)}")
-        return self._prompt[i] if i < n else self._output[i - n]
-
-
 class Request:
     """A live request: its fields change as the session runs it (see module docstring)."""
 
@@ -210,11 +179,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def token_ids(self) -> TokenIds:
-        """``all_token_ids`` as a view (no copy): what a step reads."""
-        return TokenIds(self.prompt_token_ids, self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -40,7 +40,7 @@ import torch
 
 from ..errors import warn
 from . import sampler
-from .request import ABORTED, DECODING, FINISHED, FIXED_FIELDS, PREFILLING, STEP_FIELDS, WAITING, Request, TokenIds
+from .request import ABORTED, DECODING, FINISHED, FIXED_FIELDS, PREFILLING, STEP_FIELDS, WAITING, Request
 
 _injector: Callable[[str], None] | None = None
 
@@ -154,6 +154,37 @@ def held_interrupts():
         return NO_SIGNALS
     handler = _signal.getsignal(signal.SIGINT)
     return handler if isinstance(handler, HeldInterrupts) else NO_SIGNALS
+
+
+class TokenIds(Sequence):
+    """A request draft's ``prompt + output`` read in place: the same ints as ``all_token_ids``
+    without copying either list, so that a step reading a few of a request's tokens costs the same
+    at any context length. A view of the two lists as they are when it is made (use it at once)."""
+
+    __slots__ = ("_prompt", "_output")
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    def __getitem__(self, i):
+        n = len(self._prompt)
+        if isinstance(i, slice):
+            start, stop, stride = i.indices(len(self))
+            if stride != 1:
+                return [self[j] for j in range(start, stop, stride)]
+            if stop <= n:
+                return self._prompt[start:stop]
+            if start >= n:
+                return self._output[start - n:stop - n]
+            return self._prompt[start:] + self._output[:stop - n]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"token {i} of {len(self)}")
+        return self._prompt[i] if i < n else self._output[i - n]
 
 
 class RequestDraft:
