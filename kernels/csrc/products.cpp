@@ -62,8 +62,9 @@ torch::Tensor gate_up_silu_packed(torch::Tensor x, torch::Tensor panels, int64_t
                   x.scalar_type() == at::kBFloat16 && x.size(1) == panels.size(1),
               "cpu gate_up_silu_packed: bf16 x [M, K] and contiguous bf16 panels [P, K, 16] expected, got ",
               x.sizes(), " ", x.scalar_type(), " and ", panels.sizes(), " ", panels.scalar_type());
-  auto x2 = x.to(at::kFloat).contiguous();
   const int64_t P = panels.size(0);
+  if (x.size(0) < 1 || x.size(0) >= widen_rows || P % 2 != 0) return torch::Tensor();   // before any copy
+  auto x2 = x.to(at::kFloat).contiguous();
   auto act = torch::empty({x.size(0), 8 * P}, x.options());
   if (!linear_packed_silu_kernel(x2.data_ptr<float>(), x2.size(0), x2.size(1),
                                  reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), P,

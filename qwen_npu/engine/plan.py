@@ -159,12 +159,8 @@ def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: d
         row = PlanRow(req, start, end, needs_logits=end - len(drafts) == req.num_tokens,
                       kind="decode" if decoding else "prefill", drafts=drafts)
         plan_rows.append(row)
-        if n == 1 or drafts:                             # one known token (then a verify row's drafts)
-            prompt = req.prompt_token_ids
-            token = prompt[start] if start < len(prompt) else req.output_token_ids[start - len(prompt)]
-            ids += [token, *drafts]
-        else:
-            ids += req.token_ids[start:end]
+        tokens = req.token_ids
+        ids += [tokens[start], *drafts] if n == 1 or drafts else tokens[start:end]
         pos += range(start, end)
         slots += slot_mapping(table, start, end, block_size)
         if row.needs_logits:

@@ -216,22 +216,18 @@ class DispatchBuffers:
         ints of one width (the rest of those rows is set to -1). On the CPU they are written in
         place (through a NumPy view of the buffer: no tensor is made for them); on an accelerator
         through its pinned buffer, without blocking. Returns the bytes moved h2d."""
-        buf = self.tensors[name]
-        two_d = buf.dim() == 2
-        width = len(values[0]) if two_d and values else 0
+        buf, rows = self.tensors[name], len(values)
+        width = len(values[0]) if buf.dim() == 2 and values else None
+        part = (slice(0, rows),) if width is None else (slice(0, rows), slice(0, width))
         staging = self.pinned.get("prefill" if name.startswith("prefill.") else "decode")
+        target = self._host_views[name] if staging is None else buf
         if staging is None:
-            host = self._host_views[name]
-            dst = host[:len(values), :width] if two_d else host[:len(values)]
-            dst[...] = values
-            if two_d and width < buf.shape[1]:
-                host[:len(values), width:] = -1
+            target[part] = values
         else:
-            dst = buf[:len(values), :width] if two_d else buf[:len(values)]
-            staging.copy_into(dst, values, name)
-            if two_d and width < buf.shape[1]:
-                buf[:len(values), width:].fill_(-1)
-        return dst.nbytes
+            staging.copy_into(buf[part], values, name)
+        if width is not None and width < buf.shape[1]:
+            target[:rows, width:] = -1
+        return rows * (width or 1) * buf.element_size()
 
     def view(self, name: str, n: int) -> torch.Tensor:
         return self.tensors[name][:n]
