@@ -352,9 +352,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0 and x.is_cpu):
         return None
     if weight.dim() == 3:          # 16-column panels
-        if x.shape[0] >= WIDEN_ROWS or x.shape[1] != weight.shape[1]:
-            return None
-        return ops().gate_up_silu_packed(x, weight, WIDEN_ROWS)
+        # the binding declines WIDEN_ROWS rows or more itself, before it converts or allocates
+        return ops().gate_up_silu_packed(x, weight, WIDEN_ROWS) if x.shape[1] == weight.shape[1] else None
     if not (weight.is_mkldnn and x.shape[0] <= AMX_ROWS and amx_agrees(weight)):
         return None
     _, _, address, (n, k) = weight._amx_agrees

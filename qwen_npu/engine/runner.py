@@ -227,7 +227,7 @@ class DispatchBuffers:
             staging.copy_into(buf[part], values, name)
         if width is not None and width < buf.shape[1]:
             target[:rows, width:] = -1
-        return rows * (width or 1) * buf.element_size()
+        return rows * (1 if width is None else width) * buf.element_size()
 
     def view(self, name: str, n: int) -> torch.Tensor:
         return self.tensors[name][:n]
