@@ -322,6 +322,11 @@ def greedy_health(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     return tuple(ops().greedy_health(logits))
 
 
+def pack_greedy(ids: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
+    """``reference.pack_greedy`` in one call without a tensor operation (csrc/products.cpp)."""
+    ops().pack_greedy(ids, codes, out)
+
+
 def lm_head(x: torch.Tensor, weight: torch.Tensor,
             out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The LM head with greedy sampling's read fused: ``out.copy_(linear(x, weight))`` (float32

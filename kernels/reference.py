@@ -176,3 +176,10 @@ def greedy_health(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``logits.argmax(-1)``, ``health_codes(logits)``) of logits [rows, vocab]: greedy sampling's
     token and the stream-health code of every row, on the logits' device."""
     return logits.argmax(dim=-1), health_codes(logits)
+
+
+def pack_greedy(ids: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
+    """The forward's greedy output: ``out`` [rows, 2] int64 gets per row the token id and the one
+    word the sampler copies to the host, ``id | code << 32`` (``engine/sampler.pack``'s layout)."""
+    out[:, 0].copy_(ids)
+    torch.bitwise_or(ids, codes << 32, out=out[:, 1])

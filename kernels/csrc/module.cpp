@@ -205,6 +205,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lm_head_packed", &qwen_npu_cpu::lm_head_packed,
         "linear_packed (few rows) into float32 logits, with each row's (argmax, health code) made as they are stored");
   m.def("greedy_health", &qwen_npu_cpu::greedy_health, "(argmax, health code) per row of float32 logits");
+  m.def("pack_greedy", &qwen_npu_cpu::pack_greedy, "(token id, id | code << 32) per row into the forward's greedy output");
   m.def("fma_peak", &qwen_npu_cpu::fma_peak, "(GFLOP/s, checksum) of register-resident multiply-adds on every thread");
   m.def("peak_has_avx512", &qwen_npu_cpu::peak_has_avx512, "were the AVX-512 peak loops compiled in?");
   m.def("peak_has_amx", &qwen_npu_cpu::peak_has_amx, "was the AMX peak loop compiled in, and may it use the tiles?");

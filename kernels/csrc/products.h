@@ -18,5 +18,6 @@ std::tuple<torch::Tensor, torch::Tensor> lm_head_amx(torch::Tensor x, int64_t we
 std::tuple<torch::Tensor, torch::Tensor> lm_head_packed(torch::Tensor x, torch::Tensor panels, torch::Tensor logits,
                                                         int64_t widen_rows);
 std::tuple<torch::Tensor, torch::Tensor> greedy_health(torch::Tensor logits);
+void pack_greedy(torch::Tensor ids, torch::Tensor codes, torch::Tensor out);
 
 }  // namespace qwen_npu_cpu

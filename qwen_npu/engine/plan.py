@@ -191,14 +191,15 @@ class StepResult:
 
     What was dispatched is read from the step's plan, the one record of it:
     ``input_ids``, ``positions``, ``slot_mapping``, ``query_lens``, ``seq_lens`` and
-    ``block_tables`` are host tensors made from the plan when first read."""
+    ``block_tables`` are host tensors made from the plan when first read, ``token_ids`` from
+    ``sampled_tokens``."""
 
     plan: StepPlan                  # the plan that ran
     logits: object                  # engine/runner.DeviceLogits, or None when no row gets logits
     host_logits: torch.Tensor
     max_blocks: int                 # the width ``block_tables`` is padded to (-1)
     hidden: torch.Tensor | None = None          # device view [rows_out, hidden]
-    token_ids: torch.Tensor | None = None       # after sampling: [rows_out] int64 on the host
+    sampled_tokens: list | None = None          # after sampling: one token id per logits row
     timings: dict = dataclasses.field(default_factory=dict)
     transfers: dict = dataclasses.field(default_factory=lambda: {"h2d": 0, "d2h": 0})
     health: list = dataclasses.field(default_factory=list)   # rows whose logits look broken
@@ -245,6 +246,13 @@ class StepResult:
             t = self._tensors[name] = make()
         return t
 
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """After sampling: [rows_out] int64 on the host, one per logits row (None before)."""
+        if self.sampled_tokens is None:
+            return None
+        return self._tensor("token_ids", lambda: torch.tensor(self.sampled_tokens, dtype=torch.int64))
+
     input_ids = property(lambda self: self._tensor("input_ids", lambda: torch.tensor(self.plan.input_ids)),
                          doc="[tokens]")
     positions = property(lambda self: self._tensor("positions", lambda: torch.tensor(self.plan.positions)),
@@ -268,7 +276,7 @@ class StepResult:
 
     @property
     def sampled(self) -> bool:
-        return self.token_ids is not None or not self.logits_request_ids
+        return self.sampled_tokens is not None or not self.logits_request_ids
 
     def to_dict(self, *, logits_topk: int = 0) -> dict:
         """What the step dispatched (and sampled) as plain JSON types; see docs/dump-format.md."""

@@ -17,7 +17,7 @@ are never read or written by it::
                               \\_ view [:3] _/
 
 Output buffers (logits, next-hidden, and for a step sampled in the call that runs it each logits
-row's argmax and health code, "greedy") live on the device and are cached by key
+row's argmax and its health code packed with it, "greedy") live on the device and are cached by key
 (kind, name, capacity, width, dtype, pair). Each kind has two pairs: a step writes the pair
 that the last committed step of its kind did not, so a step that fails half way never touches
 the logits a user still holds. Committing a step bumps the generations of both pairs of its kind,
@@ -49,10 +49,25 @@ from .plan import StepPlan, buffer_set
 from .transaction import KVGuard
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class OutputBuffer:
     tensor: torch.Tensor
     generation: int = 0
+    _views: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The view ``tensor[:n]``, made once per ``n`` (the buffer is never reallocated)."""
+        view = self._views.get(n)
+        if view is None:
+            view = self._views[n] = self.tensor[:n]
+        return view
+
+    def columns(self, n: int) -> tuple[torch.Tensor, ...]:
+        """The views ``tensor[:n, j]``, one per column, made once per ``n``."""
+        views = self._views.get(("columns", n))
+        if views is None:
+            views = self._views[("columns", n)] = self.rows(n).unbind(1)
+        return views
 
 
 class DeviceLogits:
@@ -92,7 +107,7 @@ class DeviceLogits:
 
     def view_unchecked(self) -> torch.Tensor:
         """The rows without the staleness check: for the engine, inside the step that wrote them."""
-        return self._private if self._private is not None else self._buffer.tensor[:self._rows]
+        return self._private if self._private is not None else self._buffer.rows(self._rows)
 
     def clone(self) -> DeviceLogits:
         """A private device copy that later steps cannot overwrite."""
@@ -230,6 +245,9 @@ class DispatchBuffers:
         return rows * (1 if width is None else width) * buf.element_size()
 
     def view(self, name: str, n: int) -> torch.Tensor:
+        """A new view ``tensors[name][:n]`` for each step: the kernels may keep what they derive
+        from a step's metadata for the very same tensor object (``kernels/memo.py``), and the CPU's
+        writes through NumPy leave its version counter as it was."""
         return self.tensors[name][:n]
 
 
@@ -254,30 +272,30 @@ class ModelRunner:
 
     def dispatch(self, plan: StepPlan, timings: dict, transfers: dict, *, hook: Hook | None = None,
                  guard: KVGuard | None = None, greedy: bool = False
-                 ) -> tuple[OutputBuffer, OutputBuffer, torch.Tensor | None]:
+                 ) -> tuple[OutputBuffer, OutputBuffer, tuple[torch.Tensor, torch.Tensor] | None]:
         """Run the plan; returns the (logits, hidden) buffers its logits rows were written to, and
-        with ``greedy`` (the step is sampled in the same call) each logits row's argmax and health
-        code, [rows, 2] int64 on the device (the model's ``greedy_out``). The caller runs it under
-        ``torch.no_grad()``; ``guard`` is the step's (a tensor-parallel runner has every rank copy
-        its blocks)."""
+        with ``greedy`` (the step is sampled in the same call) the columns of the model's
+        ``greedy_out``: each logits row's argmax and packed word (``pack_greedy``), [rows] int64
+        each, on the device. The
+        caller runs it with gradients off; ``guard`` is the step's (a tensor-parallel runner has
+        every rank copy its blocks)."""
         t0 = time.perf_counter()
         meta = self.fill(plan, transfers)
         kind = buffer_set(plan.kind)
         logits_buf, hidden_buf = self.outputs(kind)
         pre = "" if kind == "decode" else "prefill."
         b, out_rows = self.buffers, len(plan.logits_index)
-        greedy_out = b.output(kind, "greedy", b.max_logits[kind], 2, torch.int64, b.spare(kind)).tensor[:out_rows] \
-            if greedy else None
+        greedy_buf = b.output(kind, "greedy", b.max_logits[kind], 2, torch.int64, b.spare(kind)) if greedy else None
         self.end_phase()
         t1 = time.perf_counter()
         timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
         kv = list(zip(self.kv_cache.keys, self.kv_cache.values))             # [(key, value)] per layer
         self.model(b.view(pre + "input_ids", plan.num_tokens), meta, kv, b.view(pre + "logits_index", out_rows),
-                   logits_out=logits_buf.tensor[:out_rows], hidden_out=hidden_buf.tensor[:out_rows],
-                   greedy_out=greedy_out, hook=hook)
+                   logits_out=logits_buf.rows(out_rows), hidden_out=hidden_buf.rows(out_rows),
+                   greedy_out=greedy_buf.rows(out_rows) if greedy else None, hook=hook)
         self.end_phase()
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
-        return logits_buf, hidden_buf, greedy_out
+        return logits_buf, hidden_buf, greedy_buf.columns(out_rows) if greedy else None
 
     def fill(self, plan: StepPlan, transfers: dict) -> AttentionMetadata:
         """Copy the plan into rows [0, n) of its buffer set; returns metadata over views [:n]."""

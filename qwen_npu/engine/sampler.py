@@ -129,25 +129,28 @@ def mask_top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> tor
     return torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
 
 
-def pack(ids: torch.Tensor, logits: torch.Tensor, ks: list[int | None], codes: torch.Tensor | None = None):
+def pack(ids: torch.Tensor, logits: torch.Tensor, ks: list[int | None], codes: torch.Tensor | None = None,
+         words: torch.Tensor | None = None):
     """What one step's sample copies to the host, packed on the device: per row the token id with
     the row's health code (0 healthy, 1 non-finite, 2 all zero, 3 all equal) in its upper 32 bits,
     widened to ``2 + k`` int64 with log-probabilities when a row asks (``logprobs.py``).
 
-    Returns (packed [rows] or [rows, 2 + k] on the device, ``unpack(host) -> (token ids [rows],
-    health codes, TokenLogprob or None per row)``). ``codes``: ``health_codes(logits)`` when the
-    caller already has them."""
-    packed = ids | ((health_codes(logits) if codes is None else codes) << 32)
+    Returns (packed [rows] or [rows, 2 + k] on the device, ``unpack(host) -> (token ids, health
+    codes, TokenLogprob or None per row)``, lists of one entry per row). ``codes``:
+    ``health_codes(logits)`` when the caller already has them; ``words``: those words already
+    packed (the forward's, ``pack_greedy``), when ``ids`` are the rows' argmax they carry."""
+    packed = words if words is not None else ids | ((health_codes(logits) if codes is None else codes) << 32)
     if all(k is None for k in ks):
         def unpack(host):
-            return host & 0xFFFFFFFF, (host >> 32).tolist(), [None] * len(ks)
+            words = host.tolist()
+            return [w & _M32 for w in words], [w >> 32 for w in words], [None] * len(ks)
         return packed, unpack
     from . import logprobs
     packed = logprobs.attach(packed, logits, ids, logprobs.width(ks, logits.shape[-1]))
 
     def unpack_logprobs(host):
-        first = host[:, 0]
-        return first & 0xFFFFFFFF, (first >> 32).tolist(), logprobs.unpack(host, ks)
+        words = host[:, 0].tolist()
+        return [w & _M32 for w in words], [w >> 32 for w in words], logprobs.unpack(host, ks)
     return packed, unpack_logprobs
 
 

@@ -34,16 +34,30 @@ from .runner import DeviceLogits
 from .transaction import DONE, StepDraft, fault_point, held_interrupts
 
 HEALTH = {1: "non-finite logits", 2: "all-zero logits", 3: "all-equal logits"}
+NO_HOST_LOGITS = torch.empty(0)       # every step's ``host_logits`` while logits stay on the device
 
 
 class StreamHealthWarning(UserWarning):
     """A row's logits are all zero, all equal or non-finite: its stream is broken."""
 
 
+class NoGrad:
+    """``torch.no_grad()`` for the step's forward without its Python layers, which cost more
+    than the rest of entering the forward. Entered and left with Ctrl-C held back."""
+    __slots__ = ("was",)
+
+    def __enter__(self) -> None:
+        self.was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc) -> None:
+        torch._C._set_grad_enabled(self.was)
+
+
 @dataclasses.dataclass
 class Sampled:
     """What sampling a step staged: token ids (host and device), unhealthy rows, bytes moved, seconds."""
-    tokens: torch.Tensor                  # [rows] on the host
+    tokens: list                          # one int per row
     ids: torch.Tensor                     # [rows] on the device
     health: list
     h2d: int
@@ -85,7 +99,7 @@ def commit(engine, c: Commit, *, undo: bool = False) -> None:
         engine.buffers.publish(c.outputs)
     if c.sampled is not None:
         s, step = c.sampled, c.step
-        step.token_ids, step.health = s.tokens, s.health
+        step.sampled_tokens, step.health = s.tokens, s.health
         step.transfers["h2d"] += s.h2d
         step.transfers["d2h"] += s.d2h
         step.timings["sample"] = s.seconds
@@ -138,7 +152,7 @@ def run_step(sess, schedule, action: str, *, sample: bool, force: dict | None = 
     engine.calls.stepping = plan.index
     try:
         region = held_interrupts().interruptible() if engine.runner.interruptible else contextlib.nullcontext()
-        with torch.no_grad(), region:                                   # entered in this order, left whole
+        with NoGrad(), region:                                          # entered in this order, left whole
             logits_buf, hidden_buf, greedy = engine.runner.dispatch(                   # 4 dispatch
                 plan, timings, transfers, hook=step_hook, guard=guard, greedy=sample and not plan.num_drafts)
         fault_point("dispatched")
@@ -223,14 +237,14 @@ def result(engine, plan, draft, logits_buf, hidden_buf, problems, timings, trans
     n = len(plan.logits_rows)
     gen = logits_buf.generation + 1                        # what the commit makes it
     logits = DeviceLogits(logits_buf, n, transfers, plan.index, generation=gen) if n else None
-    host_logits = torch.empty(0)
+    host_logits = NO_HOST_LOGITS
     if logits is not None and not engine.config.device_outputs:
         host_logits = logits.view_unchecked().to("cpu", copy=True)
         transfers["d2h"] += host_logits.nbytes
         fault_point("d2h")
     m = draft.manager
     return StepResult(plan=plan, logits=logits, host_logits=host_logits, max_blocks=engine.max_blocks,
-                      hidden=hidden_buf.tensor[:n] if n else None, timings=timings, transfers=transfers,
+                      hidden=hidden_buf.rows(n) if n else None, timings=timings, transfers=transfers,
                       slot_problems=problems, block_size=engine.config.block_size,
                       cache_usage={"used": m.num_used_blocks, "cached": m.num_cached_blocks,
                                    "free": m.num_free_blocks - m.num_cached_blocks},
@@ -238,10 +252,10 @@ def result(engine, plan, draft, logits_buf, hidden_buf, problems, timings, trans
 
 
 def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dict | None, kernels,
-                buffers, greedy: torch.Tensor | None = None) -> Sampled:
+                buffers, greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> Sampled:
     """Sample every logits row of ``step`` on the device and stage the tokens on ``draft``.
-    ``greedy``: the rows' argmax and health codes [rows, 2], when the forward made them
-    (``dispatch(greedy=True)``); otherwise they are read from the logits here.
+    ``greedy``: the rows' argmax and packed words, [rows] each (``pack_greedy``), when the
+    forward made them (``dispatch(greedy=True)``); otherwise they are read from the logits here.
 
     The one host sync: a single int64 per row, the token id with the row's health code in its
     upper 32 bits (``2 + k`` int64 when a row records log-probabilities, see ``logprobs.py``).
@@ -259,10 +273,13 @@ def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dic
     pinned = buffers.staging("sample")
     with buffers.writing("sample"):
         allowed, h2d_mask = sampler.mask_early_stops(logits, reqs, pinned)
-        greedy_ids = codes = None
+        greedy_ids = codes = words = None
         if greedy is not None:                               # made by the forward, as it wrote the logits
-            greedy = greedy[:logits.shape[0]]                # the rows exposed (not replicate padding)
-            greedy_ids, codes = greedy[:, 0] if allowed is logits else None, greedy[:, 1]
+            greedy_ids, words = greedy
+            if words.shape[0] != logits.shape[0]:            # the rows exposed (not replicate padding)
+                greedy_ids, words = greedy_ids[:logits.shape[0]], words[:logits.shape[0]]
+            if allowed is not logits:
+                greedy_ids = None
         elif allowed is logits and getattr(kernels, "greedy_health", None) is not None:
             greedy_ids, codes = kernels.greedy_health(logits) or (None, None)   # a set's argmax and health, one read
         gens = [draft.generator(r.id, generators) for r in reqs]
@@ -274,11 +291,13 @@ def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dic
             h2d += forced.nbytes
             forced = sampler.to_device(forced, ids.device, pinned, "sample.forced")
             ids = torch.where(forced >= 0, forced, ids)
-    packed, unpack = sampler.pack(ids, logits, [r.sampling.logprobs for r in reqs], codes)
-    host = packed.cpu()
+    if words is not None and ids is not greedy_ids:          # forced or sampled rows: the codes only
+        words, codes = None, words >> 32
+    packed, unpack = sampler.pack(ids, logits, [r.sampling.logprobs for r in reqs], codes, words)
+    host = packed.cpu()                                      # on the CPU: read at once, not kept
     fault_point("d2h")
     tokens, codes, lps = unpack(host)
-    for req, tok, lp in zip(reqs, tokens.tolist(), lps):
+    for req, tok, lp in zip(reqs, tokens, lps):
         if not req.is_done:                      # aborted between the forward and this sample
             draft.stage_token(req, tok, lp)
     fault_point("staged")

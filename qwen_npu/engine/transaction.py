@@ -91,17 +91,32 @@ class HeldInterrupts:
             self.pending = False
             self.deliver()
 
-    @contextlib.contextmanager
-    def interruptible(self):
+    def interruptible(self) -> "_Interruptible":
         """A region where Ctrl-C lands at once (one held back before it lands on entry)."""
-        self.open = True
-        try:
-            if self.pending:
-                self.pending = False
-                self(signal.SIGINT, None)
-            yield
-        finally:
-            self.open = False
+        return _Interruptible(self)
+
+
+class _Interruptible:
+    """``HeldInterrupts.interruptible``'s region: opened on entry, closed on every way out. (A
+    class, not a generator: it is entered once per step, where a generator's machinery costs
+    several times as much.) A Ctrl-C that lands once ``open`` is set closes the region itself
+    (``HeldInterrupts.__call__``), so a raise from ``__enter__`` leaves it closed."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held: HeldInterrupts):
+        self.held = held
+
+    def __enter__(self) -> None:
+        held = self.held
+        held.open = True
+        if held.pending:
+            held.pending = False
+            held(signal.SIGINT, None)
+
+    def __exit__(self, *exc) -> bool:
+        self.held.open = False
+        return False
 
 
 def hold_interrupts():
@@ -140,9 +155,8 @@ class _NoSignals:
     def checkpoint(self) -> None:
         pass
 
-    @contextlib.contextmanager
     def interruptible(self):
-        yield
+        return contextlib.nullcontext()
 
 
 NO_SIGNALS = _NoSignals()

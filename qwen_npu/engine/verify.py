@@ -90,7 +90,6 @@ def sample_verified(step, draft, generators: dict, buffers) -> dict:
     host = packed.cpu()
     fault_point("d2h")
     tokens, codes, lps = unpack(host)
-    tokens = tokens.tolist()
     accepted, j = {}, 0
     for row_index, group in itertools.groupby(plan.logits_rows):
         n = len(list(group))
@@ -115,7 +114,7 @@ def sample_verified(step, draft, generators: dict, buffers) -> dict:
             seen.add(r.id)
             health.append((r.id, c))
     given_back = tuple(s for slots in plan.rolled_back(accepted).values() for s in slots)
-    return {"tokens": torch.tensor(tokens, dtype=torch.int64), "ids": ids, "health": health,
+    return {"tokens": tokens, "ids": ids, "health": health,
             "h2d": h2d + h2d_mask, "d2h": host.nbytes, "seconds": time.perf_counter() - t0, "accepted": accepted,
             "rolled_back": given_back}
 

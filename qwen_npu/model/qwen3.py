@@ -124,9 +124,10 @@ class Qwen3Model:
         kv_caches: per layer (key_cache, value_cache). The K/V of every token is written at
         ``meta.slot_mapping`` before attention reads it. ``logits_out`` [rows_out, vocab] and
         ``hidden_out`` [rows_out, hidden] are optional preallocated outputs (written in place).
-        ``greedy_out`` [rows_out, 2] int64, optional: each row's argmax and health code
-        (``kernels.reference.greedy_health``) of the logits returned; a kernel set with
-        ``lm_head`` makes them as it writes ``logits_out``, without reading the logits again.
+        ``greedy_out`` [rows_out, 2] int64, optional: each row's argmax and, packed with it,
+        health code (``kernels.reference.greedy_health``, laid out by ``pack_greedy``) of the
+        logits returned; a kernel set with ``lm_head`` makes them as it writes ``logits_out``,
+        without reading the logits again.
         """
         k_ = self.kernels
         linear = getattr(k_, "linear", _linear)      # a kernel set may bring its own (F.linear's contract)
@@ -202,8 +203,7 @@ class Qwen3Model:
         if greedy_out is not None:
             if greedy is None:               # a set's own read of the logits where it has one, else torch's
                 greedy = getattr(k_, "greedy_health", reference.greedy_health)(logits) or reference.greedy_health(logits)
-            greedy_out[:, 0].copy_(greedy[0])
-            greedy_out[:, 1].copy_(greedy[1])
+            getattr(k_, "pack_greedy", reference.pack_greedy)(greedy[0], greedy[1], greedy_out)
         return logits
 
     __call__ = forward

@@ -120,3 +120,26 @@ def test_an_edit_of_the_logits_is_what_gets_sampled(ckpt):
             sess.step()
             sess.step()
         assert req.output_token_ids[:2] == [42, 42]
+
+
+@pytest.mark.parametrize("rows", [0, 1, 16])
+def test_pack_greedy_lays_out_what_the_reference_does(rows):
+    """The forward's greedy output [rows, 2]: the token id, and the word the sampler copies to the
+    host (id | code << 32), the same in the cpu set's one call as in the reference's torch calls."""
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, 151_936, (rows,), generator=gen)
+    codes = torch.randint(0, 4, (rows,), generator=gen)
+    ours, ref = torch.full((rows, 2), -7, dtype=torch.int64), torch.full((rows, 2), -7, dtype=torch.int64)
+    cpu.pack_greedy(ids, codes, ours)
+    reference.pack_greedy(ids, codes, ref)
+    assert torch.equal(ours, ref)
+    assert ours[:, 0].tolist() == ids.tolist()
+    assert [(w & 0xFFFFFFFF, w >> 32) for w in ours[:, 1].tolist()] == list(zip(ids.tolist(), codes.tolist()))
+
+
+def test_pack_greedy_refuses_an_output_it_cannot_write():
+    ids = codes = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="pack_greedy: out must be a contiguous int64"):
+        cpu.pack_greedy(ids, codes, torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"pack_greedy: ids and codes must be int64 cpu tensors \[3\]"):
+        cpu.pack_greedy(ids, codes, torch.zeros(3, 2, dtype=torch.int64))
