@@ -178,8 +178,14 @@ def greedy_health(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.argmax(dim=-1), health_codes(logits)
 
 
+def greedy_word(ids: torch.Tensor, codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The word per row that a sampled step copies to the host: the token id with the row's health
+    code in its upper 32 bits, ``id | code << 32`` (int64; into ``out`` when given)."""
+    return torch.bitwise_or(ids, codes << 32, out=out)
+
+
 def pack_greedy(ids: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
-    """The forward's greedy output: ``out`` [rows, 2] int64 gets per row the token id and the one
-    word the sampler copies to the host, ``id | code << 32`` (``engine/sampler.pack``'s layout)."""
+    """The forward's greedy output: ``out`` [rows, 2] int64 gets per row the token id and its
+    ``greedy_word``."""
     out[:, 0].copy_(ids)
-    torch.bitwise_or(ids, codes << 32, out=out[:, 1])
+    greedy_word(ids, codes, out[:, 1])

@@ -70,7 +70,7 @@ def step_to_dict(step, *, logits_topk: int = 0) -> dict:
         "query_lens": _ints(step.query_lens), "seq_lens": _ints(step.seq_lens),
         "block_tables": [_trim(row) for row in step.block_tables.tolist()],
         "logits_request_ids": list(step.logits_request_ids),
-        "token_ids": None if step.token_ids is None else _ints(step.token_ids),
+        "token_ids": None if step.sampled_tokens is None else list(step.sampled_tokens),
         "transfers": dict(step.transfers), "timings": {k: float(v) for k, v in step.timings.items()},
         "slot_problems": [str(p) for p in step.slot_problems],
     }

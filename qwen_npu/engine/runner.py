@@ -69,6 +69,10 @@ class OutputBuffer:
             views = self._views[("columns", n)] = self.rows(n).unbind(1)
         return views
 
+    def free(self) -> None:
+        """Drop the tensor and every view of it (plain assignments: a closing Session's)."""
+        self.tensor, self._views = torch.empty(0), {}
+
 
 class DeviceLogits:
     """Logits [rows, vocab] resident on the device, one row per row that produces a next token."""
@@ -276,9 +280,8 @@ class ModelRunner:
         """Run the plan; returns the (logits, hidden) buffers its logits rows were written to, and
         with ``greedy`` (the step is sampled in the same call) the columns of the model's
         ``greedy_out``: each logits row's argmax and packed word (``pack_greedy``), [rows] int64
-        each, on the device. The
-        caller runs it with gradients off; ``guard`` is the step's (a tensor-parallel runner has
-        every rank copy its blocks)."""
+        each, on the device. The caller runs it with gradients off; ``guard`` is the step's (a
+        tensor-parallel runner has every rank copy its blocks)."""
         t0 = time.perf_counter()
         meta = self.fill(plan, transfers)
         kind = buffer_set(plan.kind)

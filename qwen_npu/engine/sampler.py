@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.reference import health_codes
+from ..kernels.reference import greedy_word, health_codes
 from .request import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -139,19 +139,22 @@ def pack(ids: torch.Tensor, logits: torch.Tensor, ks: list[int | None], codes: t
     codes, TokenLogprob or None per row)``, lists of one entry per row). ``codes``:
     ``health_codes(logits)`` when the caller already has them; ``words``: those words already
     packed (the forward's, ``pack_greedy``), when ``ids`` are the rows' argmax they carry."""
-    packed = words if words is not None else ids | ((health_codes(logits) if codes is None else codes) << 32)
+    packed = words if words is not None else greedy_word(ids, health_codes(logits) if codes is None else codes)
     if all(k is None for k in ks):
         def unpack(host):
-            words = host.tolist()
-            return [w & _M32 for w in words], [w >> 32 for w in words], [None] * len(ks)
+            return (*split_words(host.tolist()), [None] * len(ks))
         return packed, unpack
     from . import logprobs
     packed = logprobs.attach(packed, logits, ids, logprobs.width(ks, logits.shape[-1]))
 
     def unpack_logprobs(host):
-        words = host[:, 0].tolist()
-        return [w & _M32 for w in words], [w >> 32 for w in words], logprobs.unpack(host, ks)
+        return (*split_words(host[:, 0].tolist()), logprobs.unpack(host, ks))
     return packed, unpack_logprobs
+
+
+def split_words(words: list[int]) -> tuple[list[int], list[int]]:
+    """(token ids, health codes) of ``greedy_word`` words read on the host."""
+    return [w & _M32 for w in words], [w >> 32 for w in words]
 
 
 def mask_early_stops(logits: torch.Tensor, reqs, pinned=None) -> tuple[torch.Tensor, int]:

@@ -85,7 +85,7 @@ def state_digest(sess, kv: bool = False) -> StateDigest:
     ledger = st.ledger
     writes = tuple((slot, ledger.history(slot)) for slot in ledger.written_slots())
     history = (st.step_index, tuple((s.index, s.kind, tuple(s.request_ids), s.num_active,
-                                     None if s.token_ids is None else tuple(s.token_ids.tolist()),
+                                     None if s.sampled_tokens is None else tuple(s.sampled_tokens),
                                      tuple(sorted(s.accepted.items())))
                                     for s in sess.history))
     gens = (tuple((rid, _h(g.get_state().tolist())) for rid, g in sorted(st.generators.items())),

@@ -140,7 +140,7 @@ class Explorer:
         sample = self.auto_sample.value if sample is None else sample
         try:
             step = fn()
-            if sample and step.logits is not None and step.token_ids is None:
+            if sample and step.logits is not None and step.sampled_tokens is None:
                 self.session.sample(step)
         except Exception as e:  # noqa: BLE001 - shown in the widget, never raised
             self.refresh()
@@ -148,7 +148,7 @@ class Explorer:
         self.refresh()
         self._say(f"{name}: step {step.index} ran {step.batch_size} row(s), "
                   f"{int(step.query_lens.sum())} token(s)"
-                  + (f", sampled {step.token_ids.tolist()}" if step.token_ids is not None else ""))
+                  + (f", sampled {step.sampled_tokens}" if step.sampled_tokens is not None else ""))
 
     def _sample(self) -> None:
         try:

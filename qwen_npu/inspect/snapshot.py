@@ -195,8 +195,8 @@ def take_step(step, block_size: int | None = None) -> StepSnapshot:
     seq_lens = step.seq_lens.tolist()
     num_active = getattr(step, "num_active", step.batch_size)
     tokens: dict[int, int] = {}
-    if step.token_ids is not None:
-        tokens = dict(zip(step.logits_request_ids, (int(t) for t in step.token_ids.tolist())))
+    if step.sampled_tokens is not None:
+        tokens = dict(zip(step.logits_request_ids, step.sampled_tokens))
     drafts, accepted = getattr(step, "drafts", {}), getattr(step, "accepted", {})
     rows, t = [], 0
     for r, q in enumerate(qlens):

@@ -58,7 +58,7 @@ def _free(engine, model, sessions) -> None:
     """Plain assignments: drop the engine's tensors and the weights, close every session."""
     for buf in engine.buffers._outputs.values():
         buf.generation += 1                 # live DeviceLogits handles now raise instead of reading
-        buf.tensor, buf._views = torch.empty(0), {}
+        buf.free()
     engine.buffers.tensors.clear()
     engine.kv_cache.keys.clear()
     engine.kv_cache.values.clear()

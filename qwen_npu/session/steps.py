@@ -195,7 +195,7 @@ class SessionSteps:
         if step is not last:
             raise InvalidRequestError(f"cannot sample step {step.index}: only the last step "
                                       f"({last.index}) can be sampled")
-        if step.token_ids is not None:
+        if step.sampled_tokens is not None:
             raise InvalidRequestError(f"step {step.index} was already sampled")
         if step.logits is None:
             raise InvalidRequestError(f"step {step.index} produced no logits (no row finished its prompt)")
