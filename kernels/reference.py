@@ -181,11 +181,11 @@ def greedy_health(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def greedy_word(ids: torch.Tensor, codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The word per row that a sampled step copies to the host: the token id with the row's health
     code in its upper 32 bits, ``id | code << 32`` (int64; into ``out`` when given)."""
-    return torch.bitwise_or(ids, codes << 32, out=out)
+    return torch.bitwise_or(ids, codes.to(torch.int64) << 32, out=out)
 
 
 def pack_greedy(ids: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
-    """The forward's greedy output: ``out`` [rows, 2] int64 gets per row the token id and its
-    ``greedy_word``."""
-    out[:, 0].copy_(ids)
-    greedy_word(ids, codes, out[:, 1])
+    """The forward's greedy output: ``out`` [2, rows] int64 gets the token ids in ``out[0]`` and
+    their ``greedy_word`` in ``out[1]`` (each a contiguous row, copied to the host as it lies)."""
+    out[0].copy_(ids)
+    greedy_word(ids, codes, out[1])

@@ -2,7 +2,7 @@
 # device first: where torch itself cannot load (torch-npu without CANN) it says how to fix that
 from . import device  # noqa: F401  isort: skip
 from .cache.slot_check import SlotCollisionWarning, check_slot_mapping
-from .engine.engine import StreamHealthWarning
+from .engine.step import StreamHealthWarning
 from .engine.faults import FaultEmulationWarning
 from .engine.plan import StepResult
 from .engine.request import Completion, Request, SamplingParams

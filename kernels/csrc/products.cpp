@@ -187,11 +187,11 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_health(torch::Tensor logits) {
 // The forward's greedy output: per row of ``out`` [rows, 2] int64 (contiguous) the token id and
 // the one word the sampler copies to the host, id | code << 32 (ids, codes: int64 [rows]).
 void pack_greedy(torch::Tensor ids, torch::Tensor codes, torch::Tensor out) {
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.dim() == 2 && out.size(1) == 2 &&
-                  out.is_contiguous(),
-              "cpu pack_greedy: out must be a contiguous int64 cpu tensor [rows, 2], got ", out.sizes(), " ",
-              out.scalar_type());
-  const int64_t rows = out.size(0);
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.dim() == 2 && out.size(0) == 2 &&
+                  (out.stride(1) == 1 || out.size(1) <= 1),
+              "cpu pack_greedy: out must be an int64 cpu tensor [2, rows] with contiguous rows, got ", out.sizes(),
+              " strides ", out.strides(), " ", out.scalar_type());
+  const int64_t rows = out.size(1);
   TORCH_CHECK(ids.device().is_cpu() && codes.device().is_cpu() && ids.scalar_type() == at::kLong &&
                   codes.scalar_type() == at::kLong && ids.dim() == 1 && codes.dim() == 1 && ids.size(0) == rows &&
                   codes.size(0) == rows,
@@ -199,10 +199,11 @@ void pack_greedy(torch::Tensor ids, torch::Tensor codes, torch::Tensor out) {
               ids.scalar_type(), " and ", codes.sizes(), " ", codes.scalar_type());
   const auto i = ids.accessor<int64_t, 1>();
   const auto c = codes.accessor<int64_t, 1>();
-  int64_t* o = out.data_ptr<int64_t>();
+  int64_t* id_out = out.data_ptr<int64_t>();
+  int64_t* word_out = id_out + out.stride(0);
   for (int64_t r = 0; r < rows; ++r) {
-    o[2 * r] = i[r];
-    o[2 * r + 1] = i[r] | (c[r] << 32);
+    id_out[r] = i[r];
+    word_out[r] = i[r] | static_cast<int64_t>(static_cast<uint64_t>(c[r]) << 32);   // no signed shift
   }
 }
 

@@ -12,12 +12,12 @@ from ..cache.manager import KVCacheManager
 from ..config import SessionConfig
 from ..kernels.invariant import BatchInvariant
 from ..model.qwen3 import Qwen3Model
-from .transaction import StepDraft
 from .faults import FaultEmulator
 from .hooks import StepHooks
 from .request import ABORTED, FINISHED, Request
 from .runner import DispatchBuffers, ModelRunner
-from .step import Commit, StreamHealthWarning, check_not_pending, commit  # noqa: F401 - re-exported
+from .step import Commit, commit
+from .transaction import StepDraft
 
 
 class Engine:

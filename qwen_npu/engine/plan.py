@@ -192,13 +192,15 @@ class StepResult:
     What was dispatched is read from the step's plan, the one record of it:
     ``input_ids``, ``positions``, ``slot_mapping``, ``query_lens``, ``seq_lens`` and
     ``block_tables`` are host tensors made from the plan when first read, ``token_ids`` from
-    ``sampled_tokens``."""
+    ``sampled_tokens``. Every tensor a step hands out is its own: ``hidden`` is a view made for
+    this step (never the one the forward wrote through), ``host_logits`` an empty tensor of its
+    own while the logits stay on the device, so changing one in place changes no other step."""
 
     plan: StepPlan                  # the plan that ran
     logits: object                  # engine/runner.DeviceLogits, or None when no row gets logits
-    host_logits: torch.Tensor
+    host_logits_copy: torch.Tensor | None   # the logits copied to the host (device_outputs=False), else None
     max_blocks: int                 # the width ``block_tables`` is padded to (-1)
-    hidden: torch.Tensor | None = None          # device view [rows_out, hidden]
+    hidden_rows: tuple | None = None            # (output buffer, rows): where ``hidden`` is read
     sampled_tokens: list | None = None          # after sampling: one token id per logits row
     timings: dict = dataclasses.field(default_factory=dict)
     transfers: dict = dataclasses.field(default_factory=lambda: {"h2d": 0, "d2h": 0})
@@ -245,6 +247,29 @@ class StepResult:
         if t is None:
             t = self._tensors[name] = make()
         return t
+
+    @property
+    def host_logits(self) -> torch.Tensor:
+        """The logits on the host when the Session copies them (``device_outputs=False``); else an
+        empty tensor."""
+        if self.host_logits_copy is not None:
+            return self.host_logits_copy
+        return self._tensor("host_logits", lambda: torch.empty(0))
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """Device view [rows_out, hidden] of the final hidden states of the logits rows (None when
+        no row gets logits, and once the Session is closed)."""
+        if self.hidden_rows is None:
+            return None
+        buffer, rows = self.hidden_rows
+        return self._tensor("hidden", lambda: buffer.tensor[:rows])
+
+    def forget_device(self) -> None:
+        """Drop every reference to device memory but the logits handle's (a closing Session's:
+        plain assignments)."""
+        self.hidden_rows = None
+        self._tensors.pop("hidden", None)
 
     @property
     def token_ids(self) -> torch.Tensor | None:

@@ -17,8 +17,8 @@ are never read or written by it::
                               \\_ view [:3] _/
 
 Output buffers (logits, next-hidden, and for a step sampled in the call that runs it each logits
-row's argmax and its health code packed with it, "greedy") live on the device and are cached by key
-(kind, name, capacity, width, dtype, pair). Each kind has two pairs: a step writes the pair
+row's argmax and its health code packed with it, "greedy", laid out [2, rows]: ids, then words)
+live on the device and are cached by key (kind, name, leading size, width, dtype, pair). Each kind has two pairs: a step writes the pair
 that the last committed step of its kind did not, so a step that fails half way never touches
 the logits a user still holds. Committing a step bumps the generations of both pairs of its kind,
 which is how an older ``DeviceLogits`` handle (a view of rows of one output buffer) learns that it
@@ -62,11 +62,19 @@ class OutputBuffer:
             view = self._views[n] = self.tensor[:n]
         return view
 
-    def columns(self, n: int) -> tuple[torch.Tensor, ...]:
-        """The views ``tensor[:n, j]``, one per column, made once per ``n``."""
-        views = self._views.get(("columns", n))
+    def lanes(self, n: int) -> torch.Tensor:
+        """The view ``tensor[:, :n]`` of a buffer laid out [fields, rows] (the greedy output), made
+        once per ``n``; ``lanes(n)[j]`` is field j of the first n rows, contiguous."""
+        view = self._views.get(("lanes", n))
+        if view is None:
+            view = self._views[("lanes", n)] = self.tensor[:, :n]
+        return view
+
+    def lane_views(self, n: int) -> tuple[torch.Tensor, ...]:
+        """``lanes(n)`` split into its fields, made once per ``n``."""
+        views = self._views.get(("lane views", n))
         if views is None:
-            views = self._views[("columns", n)] = self.rows(n).unbind(1)
+            views = self._views[("lane views", n)] = self.lanes(n).unbind(0)
         return views
 
     def free(self) -> None:
@@ -185,7 +193,7 @@ class DispatchBuffers:
                                                                   torch.float32, pair).tensor
                 self.tensors[pre + "hidden" + tail] = self.output(kind, "hidden", rows, hidden_size,
                                                                   hidden_dtype, pair).tensor
-                self.tensors[pre + "greedy" + tail] = self.output(kind, "greedy", rows, 2, torch.int64, pair).tensor
+                self.tensors[pre + "greedy" + tail] = self.output(kind, "greedy", 2, rows, torch.int64, pair).tensor
 
     def output(self, kind: str, name: str, capacity: int, width: int, dtype: torch.dtype,
                pair: int = 0) -> OutputBuffer:
@@ -256,7 +264,7 @@ class DispatchBuffers:
 
 
 class ModelRunner:
-    interruptible = True         # Ctrl-C may land in the forward (``transaction.py``)
+    interruptible = True         # Ctrl-C may land in the forward (``interrupts.py``)
 
     def __init__(self, model: Qwen3Model, kv_cache: KVCache, buffers: DispatchBuffers, *,
                  sync_timings: bool = False):
@@ -278,7 +286,7 @@ class ModelRunner:
                  guard: KVGuard | None = None, greedy: bool = False
                  ) -> tuple[OutputBuffer, OutputBuffer, tuple[torch.Tensor, torch.Tensor] | None]:
         """Run the plan; returns the (logits, hidden) buffers its logits rows were written to, and
-        with ``greedy`` (the step is sampled in the same call) the columns of the model's
+        with ``greedy`` (the step is sampled in the same call) the two rows of the model's
         ``greedy_out``: each logits row's argmax and packed word (``pack_greedy``), [rows] int64
         each, on the device. The caller runs it with gradients off; ``guard`` is the step's (a
         tensor-parallel runner has every rank copy its blocks)."""
@@ -288,17 +296,17 @@ class ModelRunner:
         logits_buf, hidden_buf = self.outputs(kind)
         pre = "" if kind == "decode" else "prefill."
         b, out_rows = self.buffers, len(plan.logits_index)
-        greedy_buf = b.output(kind, "greedy", b.max_logits[kind], 2, torch.int64, b.spare(kind)) if greedy else None
+        greedy_buf = b.output(kind, "greedy", 2, b.max_logits[kind], torch.int64, b.spare(kind)) if greedy else None
         self.end_phase()
         t1 = time.perf_counter()
         timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
         kv = list(zip(self.kv_cache.keys, self.kv_cache.values))             # [(key, value)] per layer
         self.model(b.view(pre + "input_ids", plan.num_tokens), meta, kv, b.view(pre + "logits_index", out_rows),
                    logits_out=logits_buf.rows(out_rows), hidden_out=hidden_buf.rows(out_rows),
-                   greedy_out=greedy_buf.rows(out_rows) if greedy else None, hook=hook)
+                   greedy_out=greedy_buf.lanes(out_rows) if greedy else None, hook=hook)
         self.end_phase()
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
-        return logits_buf, hidden_buf, greedy_buf.columns(out_rows) if greedy else None
+        return logits_buf, hidden_buf, greedy_buf.lane_views(out_rows) if greedy else None
 
     def fill(self, plan: StepPlan, transfers: dict) -> AttentionMetadata:
         """Copy the plan into rows [0, n) of its buffer set; returns metadata over views [:n]."""

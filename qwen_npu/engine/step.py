@@ -13,7 +13,7 @@
       8 after      user callbacks (streamed captures) and warnings, with the state whole
 
 Any way out before 7 restores the guarded K/V and drops the draft, so the Session is exactly as
-it was. The whole call runs with Ctrl-C held back (``transaction.py``). ``sample_step`` is 6-8
+it was. The whole call runs with Ctrl-C held back (``interrupts.py``). ``sample_step`` is 6-8
 for a step sampled by hand. Forks, aborts, resets, closes and added requests also end in
 ``commit``, with the parts of a ``Commit`` they change.
 """
@@ -29,12 +29,12 @@ from ..cache.ledger import LedgerWrites
 from ..cache.slot_check import check_step_writes, raise_or_warn
 from ..errors import InvalidRequestError, warn
 from . import sampler, verify
+from .interrupts import held_interrupts
 from .plan import StepPlan, StepResult, buffer_set, build_plan
 from .runner import DeviceLogits
-from .transaction import DONE, StepDraft, fault_point, held_interrupts
+from .transaction import DONE, StepDraft, fault_point
 
 HEALTH = {1: "non-finite logits", 2: "all-zero logits", 3: "all-equal logits"}
-NO_HOST_LOGITS = torch.empty(0)       # every step's ``host_logits`` while logits stay on the device
 
 
 class StreamHealthWarning(UserWarning):
@@ -237,14 +237,14 @@ def result(engine, plan, draft, logits_buf, hidden_buf, problems, timings, trans
     n = len(plan.logits_rows)
     gen = logits_buf.generation + 1                        # what the commit makes it
     logits = DeviceLogits(logits_buf, n, transfers, plan.index, generation=gen) if n else None
-    host_logits = NO_HOST_LOGITS
+    host_logits = None
     if logits is not None and not engine.config.device_outputs:
         host_logits = logits.view_unchecked().to("cpu", copy=True)
         transfers["d2h"] += host_logits.nbytes
         fault_point("d2h")
     m = draft.manager
-    return StepResult(plan=plan, logits=logits, host_logits=host_logits, max_blocks=engine.max_blocks,
-                      hidden=hidden_buf.rows(n) if n else None, timings=timings, transfers=transfers,
+    return StepResult(plan=plan, logits=logits, host_logits_copy=host_logits, max_blocks=engine.max_blocks,
+                      hidden_rows=(hidden_buf, n) if n else None, timings=timings, transfers=transfers,
                       slot_problems=problems, block_size=engine.config.block_size,
                       cache_usage={"used": m.num_used_blocks, "cached": m.num_cached_blocks,
                                    "free": m.num_free_blocks - m.num_cached_blocks},

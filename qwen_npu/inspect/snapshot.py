@@ -210,7 +210,7 @@ def take_step(step, block_size: int | None = None) -> StepSnapshot:
                                 accepted.get(rid) if mine else None))
         t += q
     state = logits_state(step.logits)
-    if state == "none" and step.host_logits is not None and step.host_logits.numel():
+    if state == "none" and getattr(step, "host_logits_copy", None) is not None:
         state = "host copy"
     bs = block_size if block_size is not None else getattr(step, "block_size", None)
     usage = getattr(step, "cache_usage", None) or {}

@@ -124,7 +124,7 @@ class Qwen3Model:
         kv_caches: per layer (key_cache, value_cache). The K/V of every token is written at
         ``meta.slot_mapping`` before attention reads it. ``logits_out`` [rows_out, vocab] and
         ``hidden_out`` [rows_out, hidden] are optional preallocated outputs (written in place).
-        ``greedy_out`` [rows_out, 2] int64, optional: each row's argmax and, packed with it,
+        ``greedy_out`` [2, rows_out] int64, optional: each row's argmax and, packed with it, its
         health code (``kernels.reference.greedy_health``, laid out by ``pack_greedy``) of the
         logits returned; a kernel set with ``lm_head`` makes them as it writes ``logits_out``,
         without reading the logits again.

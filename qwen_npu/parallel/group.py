@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from ..engine.transaction import hold_interrupts, release_interrupts
+from ..engine.interrupts import hold_interrupts, release_interrupts
 from .collectives import TensorParallelError
 from .processes import Rank, abandon, rank_state, stop
 from .worker import RankSpec, confirm_plan, init_group, main, open_store, select_device

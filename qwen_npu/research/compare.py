@@ -23,8 +23,8 @@ import re
 
 import torch
 
-from ..engine.step import check_not_pending
 from ..engine.request import PREFILLING, WAITING, SamplingParams
+from ..engine.step import check_not_pending
 from ..errors import InvalidRequestError
 from ..inspect import html as H
 from . import hooks

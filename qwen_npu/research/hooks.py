@@ -37,7 +37,7 @@ import fnmatch
 import torch
 
 from ..engine import hooks as engine_hooks
-from ..engine.transaction import hold_interrupts, release_interrupts
+from ..engine.interrupts import hold_interrupts, release_interrupts
 from ..errors import CaptureCallbackError, InvalidRequestError
 from ..model.hooks import capture_names
 

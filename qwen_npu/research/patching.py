@@ -21,8 +21,8 @@ import dataclasses
 
 import torch
 
-from ..engine.step import check_not_pending
 from ..engine.request import SamplingParams
+from ..engine.step import check_not_pending
 from ..errors import InvalidRequestError
 from ..inspect import html as H
 from . import hooks

@@ -73,7 +73,7 @@ def _free(engine, model, sessions) -> None:
 def _closed(sess) -> None:
     """Plain assignments: the session forgets its steps and generators and refuses every call."""
     for step in sess.history:
-        step.hidden = None
+        step.forget_device()
     sess.history.clear()
     sess._generators.clear()
     closed = ClosedSession()

@@ -34,11 +34,9 @@ from __future__ import annotations
 import weakref
 
 from ..engine import sampler
-from ..engine.transaction import StepDraft
-from ..engine.step import check_not_pending
 from ..engine.request import ABORTED, SamplingParams
-from ..engine.step import Commit, commit
-from ..engine.transaction import KVGuard, fault_point
+from ..engine.step import Commit, check_not_pending, commit
+from ..engine.transaction import KVGuard, StepDraft, fault_point
 from ..errors import InvalidRequestError, OutOfBlocksError
 
 

@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from ..engine.step import check_not_pending
 from ..engine.request import DECODING, PREFILLING, WAITING, Request, SamplingParams
+from ..engine.step import check_not_pending
 from ..errors import InvalidRequestError, OutOfBlocksError
 
 

@@ -15,10 +15,11 @@ import threading
 import torch
 
 from ..engine import speculative
+from ..engine.interrupts import hold_interrupts, release_interrupts
 from ..engine.plan import StepResult
 from ..engine.request import DECODING, PREFILLING, WAITING, Request
 from ..engine.step import Commit, check_not_pending, commit, run_step, sample_step
-from ..engine.transaction import StepDraft, hold_interrupts, release_interrupts
+from ..engine.transaction import StepDraft
 from ..errors import InvalidRequestError, SessionBusyError, StaleOutputError
 
 
@@ -257,4 +258,3 @@ def step_kind(rows: list[tuple]) -> tuple[str, list[tuple]]:
     if kind == "decode" and any(n > 1 for _, n in rows):
         kind = "verify"
     return kind, rows
-

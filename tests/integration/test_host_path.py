@@ -76,3 +76,47 @@ def test_the_word_that_crosses_carries_the_health_code(tiny_ckpt, kernels):
     assert step.token_ids.tolist() == [broken.output_token_ids[-1], healthy.output_token_ids[-1]]
     assert 0 <= broken.output_token_ids[-1] < sess.model_config.vocab_size
     assert step.transfers["d2h"] == 2 * 8
+
+
+def test_a_step_hands_out_tensors_of_its_own(tiny_ckpt):
+    """The views a step keeps for itself (the output buffers', made once per row count) are never the
+    ones it hands out: changing a step's ``hidden`` or ``host_logits`` in place, shape included,
+    changes no later step."""
+    sess = Session.from_pretrained(tiny_ckpt, kernels="reference", max_batch=2, num_blocks=32)
+    for p in ([5, 6, 7], [9, 10, 11]):
+        sess.add_request(p, SamplingParams(max_new_tokens=8))
+    sess.step()
+    first, second = sess.step(), sess.step()
+    hidden = second.hidden.clone()
+    assert first.hidden is not second.hidden and first.host_logits is not second.host_logits
+    first.hidden.t_()                                   # both pairs of outputs are past: the same row count
+    second.hidden.unsqueeze_(0)
+    first.host_logits.resize_(2, 3)
+    assert torch.equal(second.hidden[0], hidden)        # still a view of the rows the forward wrote
+    later = [sess.step() for _ in range(3)]
+    assert [s.hidden.shape for s in later] == [hidden.shape] * 3
+    assert [s.host_logits.shape for s in later] == [(0,)] * 3
+    assert "logits: host copy" not in repr(later[-1])
+    assert later[-1].token_ids.tolist() == [r.output_token_ids[-1] for r in sess.requests]
+
+
+def test_the_greedy_words_cross_as_one_contiguous_row(tiny_ckpt):
+    """The forward's greedy output is [2, rows]: the ids and the packed words each a contiguous row,
+    so the copy to the host reads the words as they lie (no gather on the device first)."""
+    sess = Session.from_pretrained(tiny_ckpt, kernels="reference", max_batch=4, num_blocks=32)
+    for i in range(3):
+        sess.add_request([5 + i, 6, 7], SamplingParams(max_new_tokens=4))
+    sess.step()
+    seen = []
+    runner = sess._engine.runner
+    dispatch = runner.dispatch
+
+    def recording(*args, **kwargs):
+        out = dispatch(*args, **kwargs)
+        seen.append(out[2])
+        return out
+    runner.dispatch = recording
+    step = sess.step()
+    ids, words = seen[0]
+    assert ids.is_contiguous() and words.is_contiguous() and ids.shape == words.shape == (3,)
+    assert ids.tolist() == step.sampled_tokens == [w & 0xFFFFFFFF for w in words.tolist()]

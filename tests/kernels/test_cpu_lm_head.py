@@ -124,22 +124,40 @@ def test_an_edit_of_the_logits_is_what_gets_sampled(ckpt):
 
 @pytest.mark.parametrize("rows", [0, 1, 16])
 def test_pack_greedy_lays_out_what_the_reference_does(rows):
-    """The forward's greedy output [rows, 2]: the token id, and the word the sampler copies to the
-    host (id | code << 32), the same in the cpu set's one call as in the reference's torch calls."""
+    """The forward's greedy output [2, rows]: the token ids, and the word per row the sampler copies
+    to the host (id | code << 32), the same in the cpu set's one call as in the reference's torch
+    calls; written into the first rows of a wider buffer (the session's), nothing past them."""
     gen = torch.Generator().manual_seed(rows)
     ids = torch.randint(0, 151_936, (rows,), generator=gen)
     codes = torch.randint(0, 4, (rows,), generator=gen)
-    ours, ref = torch.full((rows, 2), -7, dtype=torch.int64), torch.full((rows, 2), -7, dtype=torch.int64)
-    cpu.pack_greedy(ids, codes, ours)
-    reference.pack_greedy(ids, codes, ref)
+    ours, ref = torch.full((2, rows + 3), -7, dtype=torch.int64), torch.full((2, rows + 3), -7, dtype=torch.int64)
+    cpu.pack_greedy(ids, codes, ours[:, :rows])
+    reference.pack_greedy(ids, codes, ref[:, :rows])
     assert torch.equal(ours, ref)
-    assert ours[:, 0].tolist() == ids.tolist()
-    assert [(w & 0xFFFFFFFF, w >> 32) for w in ours[:, 1].tolist()] == list(zip(ids.tolist(), codes.tolist()))
+    assert ours[0, :rows].tolist() == ids.tolist() and (ours[:, rows:] == -7).all()
+    assert [(w & 0xFFFFFFFF, w >> 32) for w in ours[1, :rows].tolist()] == list(zip(ids.tolist(), codes.tolist()))
+
+
+def test_pack_greedy_keeps_any_code_in_the_upper_half():
+    """Codes beyond 2**31 and negative ones, and codes of a narrower dtype (reference), land in the
+    upper 32 bits as two's complement bits, the id in the lower, in both sets."""
+    ids = torch.tensor([5, 151_935, 0], dtype=torch.int64)
+    codes = torch.tensor([2**31 + 5, -1, 3], dtype=torch.int64)
+    want = [5 | ((2**31 + 5) << 32) - 2**64, 151_935 | (0xFFFFFFFF << 32) - 2**64, 3 << 32]
+    for pack in (cpu.pack_greedy, reference.pack_greedy):
+        out = torch.zeros(2, 3, dtype=torch.int64)
+        pack(ids, codes, out)
+        assert out[1].tolist() == want, pack
+    out = torch.zeros(2, 3, dtype=torch.int64)
+    reference.pack_greedy(ids, torch.tensor([1, 2, 3], dtype=torch.int32), out)
+    assert [w >> 32 for w in out[1].tolist()] == [1, 2, 3]
 
 
 def test_pack_greedy_refuses_an_output_it_cannot_write():
     ids = codes = torch.zeros(4, dtype=torch.int64)
-    with pytest.raises(RuntimeError, match="pack_greedy: out must be a contiguous int64"):
-        cpu.pack_greedy(ids, codes, torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"pack_greedy: out must be an int64 cpu tensor \[2, rows\]"):
+        cpu.pack_greedy(ids, codes, torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"pack_greedy: out must be an int64 cpu tensor \[2, rows\] with contiguous"):
+        cpu.pack_greedy(ids, codes, torch.zeros(4, 2, dtype=torch.int64).t())
     with pytest.raises(RuntimeError, match=r"pack_greedy: ids and codes must be int64 cpu tensors \[3\]"):
-        cpu.pack_greedy(ids, codes, torch.zeros(3, 2, dtype=torch.int64))
+        cpu.pack_greedy(ids, codes, torch.zeros(2, 3, dtype=torch.int64))
