@@ -34,6 +34,9 @@ MIN_TEMPERATURE = 1e-5
 STEP_FIELDS = ("status", "num_computed_tokens", "num_cached_tokens", "num_preemptions", "output_token_ids",
                "logprobs", "finish_reason", "stop_reason", "stop_strings", "draft_token_ids", "spec_stats")
 FIXED_FIELDS = ("id", "prompt_token_ids", "sampling", "stop_token_ids", "prompt_text")
+# The step fields that only grow: a commit appends to these lists in place (the request keeps one
+# list of each for its life; copy it to keep the tokens as they are now).
+GROWING_FIELDS = ("output_token_ids", "logprobs")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,9 @@ call fails.
 How Ctrl-C is held back and where it lands: ``interrupts.py``.
 
 The draft: ``RequestDraft`` stands in for a ``Request`` while a step is planned and booked. It
-holds the request's fields that never change (id, prompt, sampling) and its own copy of every
-field a step changes (status, token counts, output tokens, log-probabilities, stop state).
+holds the request's fields that never change (id, prompt, sampling), its own copy of every
+field a step changes (status, token counts, stop state) and, for the output tokens and their
+log-probabilities, the entries the step adds (the commit appends them to the request's lists).
 ``StepDraft`` holds the drafts, a clone of the cache manager and copies of the random generators
 a step draws from. Nothing live changes until ``apply``, which only assigns: it cannot fail half
 way.
@@ -29,7 +30,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import sampler
-from .request import ABORTED, DECODING, FINISHED, FIXED_FIELDS, PREFILLING, STEP_FIELDS, WAITING, Request
+from .request import (ABORTED, DECODING, FINISHED, FIXED_FIELDS, GROWING_FIELDS, PREFILLING, STEP_FIELDS, WAITING,
+                      Request)
 
 _injector: Callable[[str], None] | None = None
 
@@ -52,13 +54,14 @@ def inject_faults(fn: Callable[[str], None]):
 
 
 class TokenIds(Sequence):
-    """A request draft's ``prompt + output`` read in place: the same ints as ``all_token_ids``
-    without copying either list, so that a step reading a few of a request's tokens costs the same
-    at any context length. A view of the two lists as they are when it is made (use it at once)."""
+    """Two sequences of tokens read in place as one: a request draft's ``prompt + output`` (the
+    same ints as ``all_token_ids``), and its output, the request's tokens and those the step
+    staged after them. Nothing is copied, so a step reading a few of a request's tokens costs the
+    same at any context length. A view of the two as they are when it is made (use it at once)."""
 
     __slots__ = ("_prompt", "_output")
 
-    def __init__(self, prompt: list[int], output: list[int]):
+    def __init__(self, prompt: Sequence[int], output: Sequence[int]):
         self._prompt, self._output = prompt, output
 
     def __len__(self) -> int:
@@ -87,9 +90,16 @@ class RequestDraft:
     ``Request.STEP_FIELDS`` (staged here, written back by ``StepDraft.apply``) and
     ``Request.FIXED_FIELDS`` (the request's, which no step changes); any other name is an
     AttributeError, so a field a draft does not know cannot be read silently from the live
-    request."""
+    request.
 
-    __slots__ = ("request", "_tokens_copied") + FIXED_FIELDS + STEP_FIELDS
+    The two growing lists, ``output_token_ids`` and ``logprobs``, are staged as what the step
+    adds: the draft reads the request's list and its own new entries as one sequence and never
+    changes the request's list; ``write_back`` appends the new entries to it. So staging a token
+    costs the same at any output length, and a step kept in the history holds no copy of any
+    request's tokens."""
+
+    __slots__ = ("request", "_new_tokens", "_new_logprobs", "_stops_copied") + FIXED_FIELDS + tuple(
+        name for name in STEP_FIELDS if name not in GROWING_FIELDS)
 
     def __init__(self, req: Request):
         # every name of FIXED_FIELDS + STEP_FIELDS, written out: a loop of getattr/setattr costs
@@ -99,23 +109,43 @@ class RequestDraft:
         self.stop_token_ids, self.prompt_text = req.stop_token_ids, req.prompt_text
         self.status, self.num_computed_tokens = req.status, req.num_computed_tokens
         self.num_cached_tokens, self.num_preemptions = req.num_cached_tokens, req.num_preemptions
-        self.output_token_ids, self.logprobs = req.output_token_ids, req.logprobs   # copied before the first append
         self.finish_reason, self.stop_reason = req.finish_reason, req.stop_reason
         self.stop_strings, self.draft_token_ids, self.spec_stats = req.stop_strings, req.draft_token_ids, req.spec_stats
-        self._tokens_copied = False
+        self._new_tokens: list[int] = []           # the output tokens staged by this step
+        self._new_logprobs: list = []              # and their log-probabilities (when recorded)
+        self._stops_copied = False
 
     def write_back(self) -> None:
-        """Assign every field of STEP_FIELDS to the request (plain assignments: cannot fail)."""
+        """Assign every other field of STEP_FIELDS to the request and append the staged tokens and
+        log-probabilities to its lists (assignments and appends of a few items: cannot fail); the
+        draft then has nothing staged."""
         req = self.request
         req.status, req.num_computed_tokens = self.status, self.num_computed_tokens
         req.num_cached_tokens, req.num_preemptions = self.num_cached_tokens, self.num_preemptions
-        req.output_token_ids, req.logprobs = self.output_token_ids, self.logprobs
         req.finish_reason, req.stop_reason = self.finish_reason, self.stop_reason
         req.stop_strings, req.draft_token_ids, req.spec_stats = self.stop_strings, self.draft_token_ids, self.spec_stats
+        if self._new_tokens:
+            req.output_token_ids.extend(self._new_tokens)
+            if req.logprobs is not None:
+                req.logprobs.extend(self._new_logprobs)
+            self._new_tokens, self._new_logprobs = [], []
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        """The request's output tokens, then those this step staged (read in place)."""
+        live = self.request.output_token_ids
+        return TokenIds(live, self._new_tokens) if self._new_tokens else live
+
+    @property
+    def logprobs(self) -> list | None:
+        """The request's log-probabilities, then those this step staged (a new list; None when the
+        request records none)."""
+        live = self.request.logprobs
+        return None if live is None else live + self._new_logprobs
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids + self.output_token_ids
+        return self.prompt_token_ids + self.request.output_token_ids + self._new_tokens
 
     @property
     def token_ids(self) -> TokenIds:
@@ -123,7 +153,7 @@ class RequestDraft:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.request.output_token_ids) + len(self._new_tokens)
 
     @property
     def is_done(self) -> bool:
@@ -131,16 +161,12 @@ class RequestDraft:
 
     def append_token(self, token: int, logprob=None) -> None:
         """Stage one sampled token (with its log-probability, when the request records them)."""
-        if not self._tokens_copied:
-            self.output_token_ids = list(self.output_token_ids)
-            if self.logprobs is not None:
-                self.logprobs = list(self.logprobs)
-            if self.stop_strings is not None:
-                self.stop_strings = self.stop_strings.copy()
-            self._tokens_copied = True
-        self.output_token_ids.append(token)
-        if logprob is not None and self.logprobs is not None:
-            self.logprobs.append(logprob)
+        if not self._stops_copied and self.stop_strings is not None:
+            self.stop_strings = self.stop_strings.copy()
+            self._stops_copied = True
+        self._new_tokens.append(token)
+        if logprob is not None and self.request.logprobs is not None:
+            self._new_logprobs.append(logprob)
 
     def __repr__(self) -> str:
         return f"RequestDraft({self.request.id}, {self.status}, computed {self.num_computed_tokens})"
