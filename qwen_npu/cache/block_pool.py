@@ -32,6 +32,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..errors import OutOfBlocksError
+from .overlay import BlockOverlay, MapOverlay, QueueOverlay
 
 __all__ = ["BlockInfo", "BlockPool", "hash_block"]
 
@@ -78,6 +79,8 @@ class BlockPool:
         self._num_blocks = num_blocks
         self._block_size = block_size
         self._enable_prefix_cache = enable_prefix_cache
+        self._adoptions = 0                   # drafts adopted so far (a draft must be of the latest state)
+        self._draft_of: tuple | None = None   # a draft's (live pool, its adoptions when cloned); None: live
         self.reset()
 
     def reset(self) -> None:
@@ -86,44 +89,44 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self._num_blocks))
         self._by_hash: dict[int, int] = {}   # block_hash -> block_id
         self._num_cached = 0                  # hashed blocks with ref_count 0
-        self._owned: set[int] | None = None   # a draft's privately copied blocks (None: all are its own)
-        self._maps_shared = False             # a draft still shares the queue and hash map it was cloned from
 
     # ---- drafts: a private copy for planning, adopted whole on commit ---------------------------
     def clone(self) -> BlockPool:
-        """An independent copy (a step's draft): its changes never reach this pool.
+        """An independent draft (a step's): its changes never reach this pool until ``adopt``.
 
-        Blocks are copied on first change, and the free queue and hash map on the first change
-        to either, so a clone that only reads costs one list copy."""
+        The draft reads this pool's blocks, free queue and hash table through overlays that hold
+        only its own changes (``overlay.py``), so cloning and adopting cost time in proportion to
+        what the step changes, not to the number of blocks."""
         new = object.__new__(BlockPool)
         new._num_blocks, new._block_size = self._num_blocks, self._block_size
         new._enable_prefix_cache = self._enable_prefix_cache
-        new._blocks = list(self._blocks)
-        new._free, new._by_hash, new._maps_shared = self._free, self._by_hash, True
-        new._num_cached = self._num_cached
-        new._owned = set()
+        new._blocks, new._free, new._by_hash = BlockOverlay(self._blocks), QueueOverlay(self._free), MapOverlay(self._by_hash)
+        new._num_cached, new._adoptions = self._num_cached, 0
+        new._draft_of = (self, self._adoptions)
         return new
 
     def adopt(self, draft: BlockPool) -> None:
-        """Take over ``draft``'s state (plain assignments; the draft must not be used again)."""
-        self._blocks, self._free, self._by_hash = draft._blocks, draft._free, draft._by_hash
-        self._num_cached, self._owned, self._maps_shared = draft._num_cached, None, False
-
-    def _own_maps(self) -> None:
-        """Before a draft changes the free queue or the hash map: copy both (once)."""
-        if self._maps_shared:
-            self._free, self._by_hash, self._maps_shared = self._free.copy(), dict(self._by_hash), False
+        """Take over ``draft``'s state: its changes written into this pool's containers (a draft
+        that was ``reset`` hands over its own). The draft must be this pool's latest clone and
+        must not be used again. Plain assignments once the check passed."""
+        if draft._draft_of != (self, self._adoptions):
+            raise ValueError("adopt: the draft is not a clone of this pool's current state")
+        self._blocks = _merged(draft._blocks, self._blocks)
+        self._free = _merged(draft._free, self._free)
+        self._by_hash = _merged(draft._by_hash, self._by_hash)
+        self._num_cached = draft._num_cached
+        self._adoptions += 1
+        draft._draft_of = None
 
     def _mut(self, block_id: int) -> _Block:
-        """The block to change: in a clone, a private copy made on first change."""
-        block = self._blocks[block_id]
-        owned = self._owned
-        if owned is not None and block_id not in owned:
+        """The block to change: in a draft, its own copy, made on first change."""
+        blocks = self._blocks
+        block = blocks[block_id]
+        if type(blocks) is BlockOverlay and block_id not in blocks.changed:
             copy = _Block(block_id)
             copy.ref_count, copy.block_hash = block.ref_count, block.block_hash
             copy.parent_hash, copy.token_ids = block.parent_hash, block.token_ids
-            block = self._blocks[block_id] = copy
-            owned.add(block_id)
+            block = blocks[block_id] = copy
         return block
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -169,8 +172,6 @@ class BlockPool:
             raise OutOfBlocksError(f"need {n} free blocks but only {len(self._free)} of {self._num_blocks} "
                                    f"are free; free a request or give the KV cache more blocks")
         block_ids = []
-        if n:
-            self._own_maps()
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self._mut(block_id)
@@ -187,7 +188,6 @@ class BlockPool:
             if block.block_hash is None:
                 raise ValueError(f"block {block_id} is free and caches nothing; allocate blocks instead "
                                  f"of acquiring a free one")
-            self._own_maps()
             del self._free[block_id]
             self._num_cached -= 1
         block.ref_count += 1
@@ -207,7 +207,6 @@ class BlockPool:
             block = self._mut(block_id)
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._own_maps()
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
@@ -239,7 +238,6 @@ class BlockPool:
                                  f"{block.token_ids}; a published block cannot change its content")
             return block_hash
         if block_hash not in self._by_hash:
-            self._own_maps()
             block = self._mut(block_id)
             block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tokens
             self._by_hash[block_hash] = block_id
@@ -321,3 +319,11 @@ class BlockPool:
     def __repr__(self) -> str:
         return (f"BlockPool(num_blocks={self._num_blocks}, block_size={self._block_size}, "
                 f"free={self.num_free}, cached={self._num_cached}, used={self.num_used})")
+
+
+def _merged(draft_container, live_container):
+    """The live container with a draft's changes written in, or the draft's own container when it
+    replaced the live one (a reset draft)."""
+    if isinstance(draft_container, (BlockOverlay, QueueOverlay, MapOverlay)) and draft_container.base is live_container:
+        return draft_container.merged_into(live_container)
+    return draft_container

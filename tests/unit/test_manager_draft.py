@@ -41,10 +41,13 @@ def test_changes_on_a_clone_never_reach_the_manager_until_adopted():
     assert not live.check()
 
 
-def test_a_clone_that_only_reads_shares_the_queue():
+def test_a_clone_copies_nothing_and_adopting_writes_only_its_changes():
     live = KVCacheManager(num_blocks=4, block_size=2)
+    queue, table = live.pool._free, live.pool._by_hash
     draft = live.clone()
     assert draft.cached_prefix_tokens([1, 2, 3]) == 0 and draft.num_free_blocks == 4
-    assert draft.pool._free is live.pool._free          # no copy until a change
     assert draft.allocate(5, 3)
-    assert draft.pool._free is not live.pool._free and live.num_free_blocks == 4
+    assert draft.num_free_blocks == 2 and live.num_free_blocks == 4 and live.pool.free_queue() == [0, 1, 2, 3]
+    live.adopt(draft)
+    assert live.pool._free is queue and live.pool._by_hash is table      # written in place
+    assert live.pool.free_queue() == [2, 3] and live.block_table(5) == [0, 1] and not live.check()
