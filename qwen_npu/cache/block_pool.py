@@ -89,6 +89,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self._num_blocks))
         self._by_hash: dict[int, int] = {}   # block_hash -> block_id
         self._num_cached = 0                  # hashed blocks with ref_count 0
+        self._adoptions += 1                  # a draft cloned before a reset is not of this state
 
     # ---- drafts: a private copy for planning, adopted whole on commit ---------------------------
     def clone(self) -> BlockPool:

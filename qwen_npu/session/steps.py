@@ -59,6 +59,12 @@ class CallGate:
     def free(self) -> bool:
         return self._depth == 0
 
+    @property
+    def outermost(self) -> bool:
+        """Between ``enter`` and ``leave``: the call is not one made from inside another (a read
+        from a step's callback is)."""
+        return self._depth == 1
+
 
 def exclusive(method=None, *, changes_state: bool = True, returns_handle: bool = False):
     """Run a Session method as a transaction: holding its engine's gate, with Ctrl-C held back
@@ -79,8 +85,8 @@ def exclusive(method=None, *, changes_state: bool = True, returns_handle: bool =
         try:
             gate.enter(name, changes_state=changes_state)
             try:
-                if self._engine.dropped:              # forks garbage-collected with live requests
-                    self._engine.collect_dropped()
+                if self._engine.dropped and gate.outermost:   # forks garbage-collected with live requests;
+                    self._engine.collect_dropped()             # never inside a step, whose commit would undo it
                 return method(self, *args, **kwargs)
             finally:
                 gate.leave()
@@ -170,8 +176,15 @@ class SessionSteps:
         return run_step(self, schedule, action, sample=sample, force=force)
 
     def _visible_requests(self) -> dict:
-        branches = self._engine.branches
-        return self._requests if branches is None else branches.requests()
+        """Every branch's requests, and those of branches dropped since the last call (they hold
+        their blocks until the next call aborts them)."""
+        engine = self._engine
+        if engine.branches is None:
+            return self._requests
+        out = engine.branches.requests()
+        for dropped in engine.dropped:
+            out.update(dropped)
+        return out
 
     def _nothing_to_run(self, kind: str) -> str:
         by = collections.Counter(r.status for r in self._requests.values())

@@ -45,6 +45,31 @@ def test_a_dropped_branch_aborts_its_requests_and_frees_their_blocks(tiny_ckpt_s
     assert sess.check().ok
 
 
+
+def test_a_branch_dropped_inside_a_step_is_aborted_after_it(tiny_ckpt_small_vocab):
+    """A fork garbage-collected while a step runs, with a read (``check``) made from the step's
+    callback: the step commits, and its dropped requests are aborted by the next call, not by the
+    read inside the step (whose abort the step's commit would undo, leaking the blocks)."""
+    sess = open_tiny(tiny_ckpt_small_vocab)
+    parent = decoding(sess, list(range(1, 11)), n=12)
+    holder = [sess.fork()]
+    holder[0].step()
+    name, reads = sess.capture_names()[0], []
+
+    def drop_and_read(x):
+        if not reads:
+            holder.clear()
+            gc.collect()                                  # the fork's finalizer queues its requests
+            reads.append(sess.check())
+        return None
+    with sess.intervene(name, drop_and_read):
+        step = sess.step()
+    assert reads and reads[0].ok and step.request_ids == [parent.id]
+    report = sess.check()                                 # the next call aborts the dropped requests
+    assert report.ok, report
+    sess.abort(parent)
+    assert sess.state.manager.num_used_blocks == 0 and sess.check().ok
+
 def test_closing_a_branch_frees_only_its_own_blocks(tiny_ckpt_small_vocab):
     alone = open_tiny(tiny_ckpt_small_vocab)
     want = decoding(alone, list(range(1, 11)))

@@ -75,6 +75,16 @@ def test_adopting_a_stale_draft_is_refused_and_changes_nothing():
     assert state(live) == before
 
 
+def test_a_draft_cloned_before_a_reset_is_refused():
+    live = BlockPool(4, 2)
+    draft = live.clone()
+    draft.allocate(1)
+    live.reset()
+    with pytest.raises(ValueError, match="not a clone of this pool's current state"):
+        live.adopt(draft)
+    assert live.free_queue() == [0, 1, 2, 3] and type(live._free).__name__ == "OrderedDict"
+
+
 def test_a_reset_draft_hands_over_its_own_state():
     live = BlockPool(4, 2)
     live.allocate(3)
