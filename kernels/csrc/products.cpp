@@ -184,8 +184,9 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_health(torch::Tensor logits) {
   return {ids, codes};
 }
 
-// The forward's greedy output: per row of ``out`` [rows, 2] int64 (contiguous) the token id and
-// the one word the sampler copies to the host, id | code << 32 (ids, codes: int64 [rows]).
+// The forward's greedy output, ``out`` [2, rows] int64 with contiguous rows: the token ids in
+// row 0 and in row 1 the one word per row the sampler copies to the host, id | code << 32
+// (ids, codes: int64 [rows]).
 void pack_greedy(torch::Tensor ids, torch::Tensor codes, torch::Tensor out) {
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.dim() == 2 && out.size(0) == 2 &&
                   (out.stride(1) == 1 || out.size(1) <= 1),

@@ -105,13 +105,12 @@ class QueueOverlay:
         self.tail[key] = value
 
     def move_to_end(self, key, last: bool = True) -> None:
-        """Move ``key`` to the head (``last=False``) or the tail."""
-        del self[key]
+        """Move ``key`` to the head (``last=False``, the only move the pool makes)."""
         if last:
-            self.tail[key] = None
-        else:
-            self.head[key] = None
-            self.head.move_to_end(key, last=False)
+            raise NotImplementedError("a draft's free queue only moves keys to its head")
+        del self[key]
+        self.head[key] = None
+        self.head.move_to_end(key, last=False)
 
     def merged_into(self, live: OrderedDict) -> OrderedDict:
         for key in self.removed:

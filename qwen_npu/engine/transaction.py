@@ -98,7 +98,7 @@ class RequestDraft:
     costs the same at any output length, and a step kept in the history holds no copy of any
     request's tokens."""
 
-    __slots__ = ("request", "_new_tokens", "_new_logprobs", "_stops_copied") + FIXED_FIELDS + tuple(
+    __slots__ = ("request", "_new_tokens", "_new_logprobs") + FIXED_FIELDS + tuple(
         name for name in STEP_FIELDS if name not in GROWING_FIELDS)
 
     def __init__(self, req: Request):
@@ -113,7 +113,6 @@ class RequestDraft:
         self.stop_strings, self.draft_token_ids, self.spec_stats = req.stop_strings, req.draft_token_ids, req.spec_stats
         self._new_tokens: list[int] = []           # the output tokens staged by this step
         self._new_logprobs: list = []              # and their log-probabilities (when recorded)
-        self._stops_copied = False
 
     def write_back(self) -> None:
         """Assign every other field of STEP_FIELDS to the request and append the staged tokens and
@@ -161,9 +160,8 @@ class RequestDraft:
 
     def append_token(self, token: int, logprob=None) -> None:
         """Stage one sampled token (with its log-probability, when the request records them)."""
-        if not self._stops_copied and self.stop_strings is not None:
-            self.stop_strings = self.stop_strings.copy()
-            self._stops_copied = True
+        if self.stop_strings is not None and self.stop_strings is self.request.stop_strings:
+            self.stop_strings = self.stop_strings.copy()       # the step's own, before its first token
         self._new_tokens.append(token)
         if logprob is not None and self.request.logprobs is not None:
             self._new_logprobs.append(logprob)
