@@ -64,6 +64,15 @@ Measured on a 2-core Intel Xeon capped with `QWEN_NPU_CPU_ISA=avx2` (AVX2 FMA pe
   memory once, then served from L1 to the other passes) instead of a whole 256-k block each:
   five products, ms, 8 rows 19.0-19.5 against 22.0, 16 rows 31.2-31.5 against 33-34, 32 rows
   57.9 against 61.0 (chunks of 32: 20.0 / 32.7 / 61.0; of 128: 21.2 / 31.8 / 58.3).
+- 16 rows on panels, one product at a time (2026-12-07, peak 257 GFLOP/s, interleaved A/B): with the
+  weights in L3 (one matrix again and again) 200-215 GFLOP/s (78-83% of the peak); streamed from
+  memory as in a step (28 matrices in turn, in huge pages) 163-180 (64-70%); one thread, 107 against
+  87 of 128. So the batch-16 gap is the stream of weights, not the register tile. Without the
+  prefetch 2 KiB ahead the streamed rate falls to 140; a distance chosen per pass at run time (1 to
+  6 KiB, or the next chunk into L2 during the second pass) did 3-9% worse. Chunks of 128 k and the
+  rows shared evenly among the passes (16 as 6 5 5 rather than 6 6 4) gained 2-5% on a product alone
+  and nothing in whole steps (batch-16 forward 139.3 against 139.4 ms, batch 8 slower, both sets
+  interleaved in one process on the same weights), so neither is used.
 - Many rows, plain weights: transposing two 16-row blocks together and keeping each block's sums
   in rows of 16 (y's rows, 16 KiB apart at N = 4096, fall into few cache sets) took one thread
   from 106 to 115 GFLOP/s on the layer shapes at 512 rows, and a 512-token prefill's products
