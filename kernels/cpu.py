@@ -9,7 +9,8 @@ but does all arithmetic in fp32:
                        into 16-column panels (``prepare_weight``,       of bf16 products
                        kernels/panels.py) and widened to fp32 in
                        registers (csrc/linear_packed.cpp): decode
-                       streams each panel once per 6 rows, prefill
+                       streams each panel once, every block of it
+                       taken by passes of up to 6 rows, prefill
                        (``WIDEN_ROWS`` rows on) widens two panels'
                        blocks into L1 for a 6 x 16 register tile (x
                        packed in 6-row groups, csrc/linear.cpp, which

@@ -13,8 +13,9 @@ FAST = """## What makes qwen-npu fast here
   rows run flash-style on the tiles (`csrc/attention_amx.cpp`, each row's K and V packed once into the tiles' layouts). Without native bf16: every bf16 matrix is packed
   once at load into 16-column panels (`kernels/panels.py`: for each k the 16 weights of 16
   outputs, ordered so that one load widens to fp32 exactly in registers), so no product
-  transposes weights; decode streams each panel once for up to 6 rows (batch 1: four panels at
-  a time, prefetched ahead, `csrc/linear_packed.cpp`); prefill packs x in 6-row groups and widens
+  transposes weights; decode streams each panel once, every 256-k block of it taken by passes
+  of up to 6 rows while it sits in L1 (batch 1: four panels at a time, prefetched ahead,
+  `csrc/linear_packed.cpp`); prefill packs x in 6-row groups and widens
   two panels' blocks into fp32 in L1 for a 6 x 16 register tile. Every output is the same sum in
   k order whatever the number of rows.
 - Decode attention takes all KV heads of a token in one work item, so each position's K/V
@@ -60,10 +61,11 @@ Measured on a 2-core Intel Xeon capped with `QWEN_NPU_CPU_ISA=avx2` (AVX2 FMA pe
   block is widened into fp32 once for all rows: five products, ms, in registers / once: 32 rows
   61.0 / 67.4, 48 rows 83.6 / 86.4, 64 rows 118.5 / 121.8, 96 rows 171.1 / 168.7, 128 rows
   241.8 / 239.3. The same bits either way.
-- Several 6-row passes over a block take 64 values of k in turn (each chunk of weights read from
-  memory once, then served from L1 to the other passes) instead of a whole 256-k block each:
-  five products, ms, 8 rows 19.0-19.5 against 22.0, 16 rows 31.2-31.5 against 33-34, 32 rows
-  57.9 against 61.0 (chunks of 32: 20.0 / 32.7 / 61.0; of 128: 21.2 / 31.8 / 58.3).
+- (An earlier order of the few-rows work, since replaced: see the Zen 3 list below.) Several 6-row
+  passes over the 4 panels of a work item took 64 values of k in turn (each chunk of weights read
+  from memory once, then served from L1 to the other passes) instead of a whole 256-k block of the
+  4 panels each: five products, ms, 8 rows 19.0-19.5 against 22.0, 16 rows 31.2-31.5 against
+  33-34, 32 rows 57.9 against 61.0 (chunks of 32: 20.0 / 32.7 / 61.0; of 128: 21.2 / 31.8 / 58.3).
 - 16 rows on panels, one product at a time (2026-12-07, peak 257 GFLOP/s, interleaved A/B): with the
   weights in L3 (one matrix again and again) 200-215 GFLOP/s (78-83% of the peak); streamed from
   memory as in a step (28 matrices in turn, in huge pages) 163-180 (64-70%); one thread, 107 against
@@ -77,6 +79,30 @@ Measured on a 2-core Intel Xeon capped with `QWEN_NPU_CPU_ISA=avx2` (AVX2 FMA pe
   in rows of 16 (y's rows, 16 KiB apart at N = 4096, fall into few cache sets) took one thread
   from 106 to 115 GFLOP/s on the layer shapes at 512 rows, and a 512-token prefill's products
   from 2380-2480 ms to 2170-2210.
+
+Measured on a 2-core AMD EPYC (Zen 3, AVX2 + FMA, no AVX-512; FMA peak 187-204 GFLOP/s on both
+cores, 101.6 on one), 2026-12-07, 0.6B shapes. This host is a virtual machine whose L3 and memory
+are shared with other tenants: the same product varies by a third from run to run, so every
+comparison below interleaves its variants and divides each by the peak measured beside it.
+
+- 16 rows on panels is bound by the multiply-adds here (a batch-16 step needs ~13 GB/s of the
+  34 GB/s the cores read), and the register tile is not what loses: alone on a 256-k block in L1
+  the 6-row tile runs at 85-100% of one core's peak, widening in registers or not (fp32 weights,
+  or bf16 pairs split by a shift and a mask, were no faster). What lost was the order around it.
+  A copy of the few-rows loop outside the extension, 28 matrices streamed in turn from huge pages,
+  six interleaved rounds: the earlier order (three passes 6 6 4 over the 4 panels of an item, 64 k
+  at a time) 52-73% of the peak on one thread and 49-60% on two; one panel at a time, each
+  256-k block taken by all passes before the next (the panel one sequential stream, the block in
+  L1 for the second and third pass), the rows shared 6 5 5, the prefetch in the first pass only:
+  72-84% on one thread, 63-73% on two (gate|up and down shapes). That order is the one used.
+- Whole decode steps, both builds of the extension loaded in one process and swapped between
+  rounds on the same weights (three rounds, medians): batch 16 at context 128 237 ms with the
+  earlier order, 181 ms with the new (ranges 211-238 and 157-211); batch 1 50.4 and 49.0 ms (the
+  one-row tile is unchanged). The LM head alone at 16 rows went from 50 ms to 29-31 ms.
+- Tried and not kept (within the noise): widening the block into an fp32 buffer during the first
+  pass so that the others read fp32 from L1; a prefetch distance of 4, 8 or 16 KiB instead of 2,
+  or a prefetch in every pass. Many rows (512): one panel's block at a time in L1 instead of two
+  (16 KiB instead of the whole 32 KiB L1) gave 85% and 87% of the peak, no difference.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 

@@ -85,7 +85,9 @@ def drift_text(runs: dict) -> list[str]:
 def machine_section(res: dict) -> list[str]:
     m, when = res.get("machine", {}), res.get("measured", {})
     cap = m.get("isa_cap")
-    title = f"### {m.get('cpu', '?')}, {m.get('cores', '?')} cores" + (f", run as an {cap.upper()} machine" if cap else "")
+    fm = f" ({m['cpu_family_model']})" if m.get("cpu_family_model") else ""
+    title = (f"### {m.get('cpu', '?')}{fm}, {m.get('cores', '?')} cores"
+             + (f", run as an {cap.upper()} machine" if cap else ""))
     runs = res.get("workloads", {})
     dtype = user_dtype(res) or "bfloat16"
     vllm = vllm_by_dtype(res).get(dtype, {})

@@ -68,6 +68,10 @@ def machine() -> dict:
     try:
         text = Path("/proc/cpuinfo").read_text()
         info["cpu"] = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
+        fields = dict(line.split(":", 1) for line in text.splitlines()[:12] if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if "cpu family" in fields and "model" in fields:      # a virtual machine's model name may say little
+            info["cpu_family_model"] = f"family {fields['cpu family']} model {fields['model']}"
         flags = next(line for line in text.splitlines() if line.startswith("flags")).split()
         info["bf16_or_amx"] = sorted(f for f in flags if "bf16" in f or f.startswith("amx") or f.startswith("avx512"))
     except (OSError, StopIteration):

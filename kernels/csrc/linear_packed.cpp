@@ -8,10 +8,14 @@
 // every call, a third of the work at 16 rows). Two layouts of the work, by the number of rows:
 //
 //   few rows   (M < widen_rows)  x read in place; each x value broadcast against the 16 columns
-//                                of a panel widened in registers, 6 rows at most per pass, one
-//                                row against 4 panels at a time (8 independent sums); each
-//                                panel's stream prefetched 2 KiB ahead: decode and the LM head,
-//                                bound by the stream of weights.
+//                                of a panel widened in registers. One row: against 4 panels at a
+//                                time (8 independent sums), bound by the stream of weights. More:
+//                                one panel at a time, a block of LINEAR_KC values of k in turn by
+//                                passes of at most 6 rows, the rows shared evenly among the passes
+//                                (16 as 6 5 5): the first pass streams the block in, prefetched
+//                                2 KiB ahead, the others find it in L1, and each panel is one
+//                                sequential stream. Decode (batch 16: bound by the multiply-adds
+//                                on an AVX2 CPU) and the LM head.
 //   many rows                    linear.cpp's layout (linear_panels_packed): two panels' blocks
 //                                widened into fp32 once, x packed in 6-row groups: prefill,
 //                                bound by the multiply-adds.
@@ -40,14 +44,14 @@ namespace {
 constexpr int64_t KC = LINEAR_KC;
 constexpr int64_t AHEAD = 1024;       // bf16 elements (2 KiB) a panel's stream is prefetched ahead
 constexpr int64_t PANELS = 4;         // panels per work item
-constexpr int64_t GROUP = 6;          // x rows per pass
-constexpr int64_t CHUNK = 64;         // k per turn of several passes
+constexpr int64_t GROUP = 6;          // x rows per pass at most
 
 // MR rows of x (row i at x + i * ldx) against NP panels (panel j's values at b + j * ldp, [kc][16])
 // for kc values of k. The sums of panel j, row i start from `from` + j * lda + i * 16 (zero when
-// null), have what is at `add` (same layout) added when it is not null, and go to `out`. Out of
-// line so that its accumulators get the registers to themselves.
-template <int MR, int NP>
+// null), have what is at `add` (same layout) added when it is not null, and go to `out`. PREFETCH:
+// each panel's stream is prefetched AHEAD elements ahead (off where the block is already in L1).
+// Out of line so that its accumulators get the registers to themselves.
+template <int MR, int NP, bool PREFETCH = true>
 __attribute__((noinline)) void tile(const float* x, int64_t ldx, const uint16_t* b, int64_t ldp, int64_t kc,
                                    float* out, int64_t lda, const float* from, const float* add) {
   __m256 c[MR][NP][2];
@@ -62,7 +66,7 @@ __attribute__((noinline)) void tile(const float* x, int64_t ldx, const uint16_t*
     __m256 lo[NP], hi[NP];
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
-      if (k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(b + j * ldp + k * 16 + AHEAD), _MM_HINT_T0);
+      if (PREFETCH && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(b + j * ldp + k * 16 + AHEAD), _MM_HINT_T0);
       widen_panel_k(b + j * ldp + k * 16, lo[j], hi[j]);
     }
 #pragma GCC unroll 8
@@ -90,36 +94,35 @@ __attribute__((noinline)) void tile(const float* x, int64_t ldx, const uint16_t*
 
 using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t, const float*,
                         const float*);
-constexpr TileFn TILE[GROUP + 1] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>};
+constexpr TileFn TILE[2][GROUP + 1] = {
+    {nullptr, tile<1, 1, false>, tile<2, 1, false>, tile<3, 1, false>, tile<4, 1, false>, tile<5, 1, false>,
+     tile<6, 1, false>},
+    {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>}};
 
 // The sums of work item ``item`` (panels [PANELS item, PANELS item + np), outputs [16 PANELS item, ..))
-// for few rows into acc [panel][row][16]; part [panel][row][16] holds a block's sums under way when
-// M > GROUP. Returns np.
-int64_t item_sums(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, int64_t item, float* acc,
-                  float* part) {
+// for few rows into acc [panel][row][16]. Returns np.
+int64_t item_sums(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, int64_t item, float* acc) {
   const int64_t ldp = 16 * K, p0 = item * PANELS, np = std::min(PANELS, P - p0);
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t kc = std::min(KC, K - k0);
-    const uint16_t* b = w + (p0 * K + k0) * 16;
-    const float* done = k0 > 0 ? acc : nullptr;
-    if (M == 1 && np == PANELS) {
-      tile<1, PANELS>(x + k0, K, b, ldp, kc, acc, 16, nullptr, done);
-      continue;
-    }
-    // Several passes of 6 rows: they take CHUNK values of k in turn, so that each chunk of
-    // weights is read from memory once and then served from L1 to the other passes while the
-    // next one streams in (a whole block per pass leaves memory idle for two passes of three).
-    const int64_t chunk = M > GROUP ? CHUNK : kc;
-    for (int64_t c0 = 0; c0 < kc; c0 += chunk) {
-      const int64_t ch = std::min(chunk, kc - c0);
-      const bool first = c0 == 0, last = c0 + ch >= kc;
-      for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
-        const int64_t mr = std::min(GROUP, M - m0), at = m0 * 16;
-        for (int64_t j = 0; j < np; ++j)
-          TILE[mr](x + m0 * K + k0 + c0, K, b + j * ldp + c0 * 16, ldp, ch,
-                   (last ? acc : part) + j * M * 16 + at, M * 16,
-                   first ? nullptr : part + j * M * 16 + at,
-                   last && done ? done + j * M * 16 + at : nullptr);
+  if (M == 1 && np == PANELS) {
+    for (int64_t k0 = 0; k0 < K; k0 += KC)
+      tile<1, PANELS>(x + k0, K, w + (p0 * K + k0) * 16, ldp, std::min(KC, K - k0), acc, 16, nullptr,
+                      k0 > 0 ? acc : nullptr);
+    return np;
+  }
+  // Passes of at most GROUP rows, as even as they go: 16 rows as 6 5 5, 8 as 4 4. A pass's
+  // multiply-adds per widened line of weights are its rows, so an even split loses least to the
+  // widening; the first pass of a block reads it from memory, the others from L1.
+  const int64_t passes = (M + GROUP - 1) / GROUP, base = M / passes, more = M % passes;
+  for (int64_t j = 0; j < np; ++j) {
+    const uint16_t* b = w + (p0 + j) * ldp;
+    float* sums = acc + j * M * 16;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0);
+      for (int64_t pass = 0, m0 = 0; pass < passes; ++pass) {
+        const int64_t mr = base + (pass < more ? 1 : 0);
+        TILE[pass == 0][mr](x + m0 * K + k0, K, b + k0 * 16, ldp, kc, sums + m0 * 16, M * 16, nullptr,
+                            k0 > 0 ? sums + m0 * 16 : nullptr);
+        m0 += mr;
       }
     }
   }
@@ -132,10 +135,9 @@ int64_t item_sums(const float* x, int64_t M, int64_t K, const uint16_t* w, int64
 template <typename Y>
 void few_items(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t P, Y* y, int64_t i0, int64_t i1,
                greedy::Scan* scans) {
-  // acc: the sums of the blocks done; part: those of the block under way  [panel][row][16]
-  std::vector<float> acc(PANELS * M * 16), part(M > GROUP ? PANELS * M * 16 : 0);
+  std::vector<float> acc(PANELS * M * 16);     // the sums of the blocks done  [panel][row][16]
   for (int64_t item = i0; item < i1; ++item) {
-    const int64_t p0 = item * PANELS, np = item_sums(x, M, K, w, P, item, acc.data(), part.data());
+    const int64_t p0 = item * PANELS, np = item_sums(x, M, K, w, P, item, acc.data());
     if constexpr (std::is_same_v<Y, float>) {
       if (scans != nullptr) {
         for (int64_t r = 0; r < M; ++r) {
@@ -159,11 +161,11 @@ void few_items(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
 // through silu_mul's 8-lane steps into act [M, I].
 void silu_items(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t PG, c10::BFloat16* act, int64_t i0,
                 int64_t i1) {
-  std::vector<float> gate(PANELS * M * 16), up(PANELS * M * 16), part(M > GROUP ? PANELS * M * 16 : 0);
+  std::vector<float> gate(PANELS * M * 16), up(PANELS * M * 16);
   const int64_t I = 16 * PG;
   for (int64_t item = i0; item < i1; ++item) {
-    const int64_t np = item_sums(x, M, K, w, PG, item, gate.data(), part.data());
-    item_sums(x, M, K, w + PG * K * 16, PG, item, up.data(), part.data());
+    const int64_t np = item_sums(x, M, K, w, PG, item, gate.data());
+    item_sums(x, M, K, w + PG * K * 16, PG, item, up.data());
     for (int64_t j = 0; j < np; ++j)
       for (int64_t r = 0; r < M; ++r)
         for (int h = 0; h < 2; ++h) {
