@@ -8,9 +8,10 @@
 // every call, a third of the work at 16 rows). Two layouts of the work, by the number of rows:
 //
 //   few rows   (M < widen_rows)  x read in place; each x value broadcast against the 16 columns
-//                                of a panel widened in registers. One row: against 4 panels at a
-//                                time (8 independent sums), bound by the stream of weights. More:
-//                                one panel at a time, a block of LINEAR_KC values of k in turn by
+//                                of a panel widened in registers. One row: against the 4 panels
+//                                of a work item at a time (8 independent sums), bound by the stream
+//                                of weights. More rows (and a last item of fewer panels): one
+//                                panel at a time, a block of LINEAR_KC values of k in turn by
 //                                passes of at most 6 rows, the rows shared evenly among the passes
 //                                (16 as 6 5 5): the first pass streams the block in, prefetched
 //                                2 KiB ahead, the others find it in L1, and each panel is one
@@ -47,26 +48,27 @@ constexpr int64_t PANELS = 4;         // panels per work item
 constexpr int64_t GROUP = 6;          // x rows per pass at most
 
 // MR rows of x (row i at x + i * ldx) against NP panels (panel j's values at b + j * ldp, [kc][16])
-// for kc values of k. The sums of panel j, row i start from `from` + j * lda + i * 16 (zero when
-// null), have what is at `add` (same layout) added when it is not null, and go to `out`. PREFETCH:
+// for kc values of k. The sums of panel j, row i start from zero, have what is at `add` + j * lda +
+// i * 16 added when it is not null, and go to `out` (same layout; it may be `add`). PREFETCH:
 // each panel's stream is prefetched AHEAD elements ahead (off where the block is already in L1).
 // Out of line so that its accumulators get the registers to themselves.
 template <int MR, int NP, bool PREFETCH = true>
 __attribute__((noinline)) void tile(const float* x, int64_t ldx, const uint16_t* b, int64_t ldp, int64_t kc,
-                                   float* out, int64_t lda, const float* from, const float* add) {
+                                   float* out, int64_t lda, const float* add) {
   __m256 c[MR][NP][2];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
-      c[i][j][0] = from ? _mm256_loadu_ps(from + j * lda + i * 16) : _mm256_setzero_ps();
-      c[i][j][1] = from ? _mm256_loadu_ps(from + j * lda + i * 16 + 8) : _mm256_setzero_ps();
+      c[i][j][0] = _mm256_setzero_ps();
+      c[i][j][1] = _mm256_setzero_ps();
     }
   for (int64_t k = 0; k < kc; ++k) {
     __m256 lo[NP], hi[NP];
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
-      if (PREFETCH && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(b + j * ldp + k * 16 + AHEAD), _MM_HINT_T0);
+      if (PREFETCH && k % 2 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(b + j * ldp + k * 16 + AHEAD), _MM_HINT_T0);
       widen_panel_k(b + j * ldp + k * 16, lo[j], hi[j]);
     }
 #pragma GCC unroll 8
@@ -92,8 +94,7 @@ __attribute__((noinline)) void tile(const float* x, int64_t ldx, const uint16_t*
     }
 }
 
-using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t, const float*,
-                        const float*);
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t, const float*);
 constexpr TileFn TILE[2][GROUP + 1] = {
     {nullptr, tile<1, 1, false>, tile<2, 1, false>, tile<3, 1, false>, tile<4, 1, false>, tile<5, 1, false>,
      tile<6, 1, false>},
@@ -105,8 +106,7 @@ int64_t item_sums(const float* x, int64_t M, int64_t K, const uint16_t* w, int64
   const int64_t ldp = 16 * K, p0 = item * PANELS, np = std::min(PANELS, P - p0);
   if (M == 1 && np == PANELS) {
     for (int64_t k0 = 0; k0 < K; k0 += KC)
-      tile<1, PANELS>(x + k0, K, w + (p0 * K + k0) * 16, ldp, std::min(KC, K - k0), acc, 16, nullptr,
-                      k0 > 0 ? acc : nullptr);
+      tile<1, PANELS>(x + k0, K, w + (p0 * K + k0) * 16, ldp, std::min(KC, K - k0), acc, 16, k0 > 0 ? acc : nullptr);
     return np;
   }
   // Passes of at most GROUP rows, as even as they go: 16 rows as 6 5 5, 8 as 4 4. A pass's
@@ -120,7 +120,7 @@ int64_t item_sums(const float* x, int64_t M, int64_t K, const uint16_t* w, int64
       const int64_t kc = std::min(KC, K - k0);
       for (int64_t pass = 0, m0 = 0; pass < passes; ++pass) {
         const int64_t mr = base + (pass < more ? 1 : 0);
-        TILE[pass == 0][mr](x + m0 * K + k0, K, b + k0 * 16, ldp, kc, sums + m0 * 16, M * 16, nullptr,
+        TILE[pass == 0][mr](x + m0 * K + k0, K, b + k0 * 16, ldp, kc, sums + m0 * 16, M * 16,
                             k0 > 0 ? sums + m0 * 16 : nullptr);
         m0 += mr;
       }

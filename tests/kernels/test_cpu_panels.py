@@ -184,7 +184,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("n, k", [(6144, 1024), (128, 64), (96, 32), (32, 48)])
 def test_gate_up_silu_on_panels_gives_the_bits_of_the_product_then_silu_mul(n, k):
-    """Every row count below WIDEN_ROWS (one row against four panels, passes of six rows), an
+    """Every row count below WIDEN_ROWS (one row against four panels, passes of at most six rows), an
     item of fewer than four panels (n 96: three gate panels), NaN, inf and huge sums."""
     w = panels.pack((torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.2).bfloat16())
     gen = torch.Generator().manual_seed(k)
