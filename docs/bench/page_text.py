@@ -101,8 +101,11 @@ comparison below interleaves its variants and divides each by the peak measured 
   one-row tile is unchanged). The LM head alone at 16 rows went from 50 ms to 29-31 ms.
 - Tried and not kept (within the noise): widening the block into an fp32 buffer during the first
   pass so that the others read fp32 from L1; a prefetch distance of 4, 8 or 16 KiB instead of 2,
-  or a prefetch in every pass. Many rows (512): one panel's block at a time in L1 instead of two
-  (16 KiB instead of the whole 32 KiB L1) gave 85% and 87% of the peak, no difference.
+  or a prefetch in every pass; taking the block of every panel of an item before the next block
+  (x's block kept in L1 across the panels); x rows 16 or 8 floats further apart than K (at K a
+  multiple of 1024 every row of x falls into the same L1 sets). Many rows (512): one panel's block
+  at a time in L1 instead of two (16 KiB instead of the whole 32 KiB L1) gave 85% and 87% of the
+  peak, no difference.
 - Where a batch-1 step goes beyond reading the weights (the step 1.35-1.67x its read floor in the
   runs above): the products stream the weights at 25-35 GB/s against the 31-36 GB/s of the read
   floor, the LM head at 29 GB/s; a model of the 0.6B depth with tiny matrices (28 layers, hidden
@@ -111,7 +114,9 @@ comparison below interleaves its variants and divides each by the peak measured 
   the 0.6B shape (16 query heads, 8 KV heads of 128, two threads) takes 9 us per layer at context
   1, 32 us at 64, 60-70 us at 128 and 265 us at 512: about 0.5 us per position, 2-4 times what
   its multiply-adds and widenings need, with K and V widened from bf16 for every 8 values and
-  shared by only two query heads.
+  shared by only two query heads. Prefetching K and V 16 positions ahead (as the bf16 and AMX
+  decode kernels do) did not change it (context 128: 87-91 against 82-89 us; 512: 260-311 against
+  249-302, caches flushed, both builds interleaved), so it is not waiting on memory.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 
