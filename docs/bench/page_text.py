@@ -98,7 +98,8 @@ comparison below interleaves its variants and divides each by the peak measured 
 - Whole decode steps, both builds of the extension loaded in one process and swapped between
   rounds on the same weights (three rounds, medians): batch 16 at context 128 237 ms with the
   earlier order, 181 ms with the new (ranges 211-238 and 157-211); batch 1 50.4 and 49.0 ms (the
-  one-row tile is unchanged). The LM head alone at 16 rows went from 50 ms to 29-31 ms.
+  one-row tile is unchanged). The LM head alone at 16 rows: 50 ms before, 29-31 ms after (separate
+  runs).
 - Tried and not kept (within the noise): widening the block into an fp32 buffer during the first
   pass so that the others read fp32 from L1; a prefetch distance of 4, 8 or 16 KiB instead of 2,
   or a prefetch in every pass; taking the block of every panel of an item before the next block
@@ -112,7 +113,7 @@ comparison below interleaves its variants and divides each by the peak measured 
   64) takes 4.3-4.9 ms per batch-1 step, of which about 1 ms is its LM head and 0.4 ms the host,
   so the forward's calls cost about 3 ms a step whatever the matrices; and decode attention at
   the 0.6B shape (16 query heads, 8 KV heads of 128, two threads) takes 9 us per layer at context
-  1, 32 us at 64, 60-70 us at 128 and 265 us at 512: about 0.5 us per position, 2-4 times what
+  1, 32 us at 64, 60-90 us at 128 and 250-310 us at 512: about 0.5 us per position, 2-4 times what
   its multiply-adds and widenings need, with K and V widened from bf16 for every 8 values and
   shared by only two query heads. Prefetching K and V 16 positions ahead (as the bf16 and AMX
   decode kernels do) did not change it (context 128: 87-91 against 82-89 us; 512: 260-311 against
