@@ -74,7 +74,8 @@ Measured on a 2-core Intel Xeon capped with `QWEN_NPU_CPU_ISA=avx2` (AVX2 FMA pe
   6 KiB, or the next chunk into L2 during the second pass) did 3-9% worse. Chunks of 128 k and the
   rows shared evenly among the passes (16 as 6 5 5 rather than 6 6 4) gained 2-5% on a product alone
   and nothing in whole steps (batch-16 forward 139.3 against 139.4 ms, batch 8 slower, both sets
-  interleaved in one process on the same weights), so neither is used.
+  interleaved in one process on the same weights). These were measured on the earlier order; the
+  order now used (the Zen 3 list below) shares the rows evenly.
 - Many rows, plain weights: transposing two 16-row blocks together and keeping each block's sums
   in rows of 16 (y's rows, 16 KiB apart at N = 4096, fall into few cache sets) took one thread
   from 106 to 115 GFLOP/s on the layer shapes at 512 rows, and a 512-token prefill's products

@@ -65,16 +65,15 @@ def machine() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "isa_cap": cpu_features.isa_cap()}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
-        fields = dict(line.split(":", 1) for line in text.splitlines()[:12] if ":" in line)
-        fields = {k.strip(): v.strip() for k, v in fields.items()}
+    try:            # the first processor's fields: "model name", "cpu family", "model", "flags", ...
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+        info["cpu"] = fields["model name"]
         if "cpu family" in fields and "model" in fields:      # a virtual machine's model name may say little
             info["cpu_family_model"] = f"family {fields['cpu family']} model {fields['model']}"
-        flags = next(line for line in text.splitlines() if line.startswith("flags")).split()
-        info["bf16_or_amx"] = sorted(f for f in flags if "bf16" in f or f.startswith("amx") or f.startswith("avx512"))
-    except (OSError, StopIteration):
+        info["bf16_or_amx"] = sorted(f for f in fields["flags"].split()
+                                     if "bf16" in f or f.startswith(("amx", "avx512")))
+    except (OSError, KeyError):
         pass
     return info
 
