@@ -26,8 +26,8 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("module.cpp", "products.cpp", "linear.cpp", "linear_packed.cpp", "linear_bf16.cpp", "linear_amx.cpp",
            "attention.cpp", "attention_bf16.cpp", "attention_decode.cpp", "attention_decode_bf16.cpp",
            "attention_decode_amx.cpp", "attention_amx.cpp", "elementwise_avx512.cpp", "norm.cpp", "activation.cpp",
-           "greedy.cpp", "peak.cpp")
-HEADERS = ("vec.h", "vec512.h", "elementwise.h", "attention.h", "amx.h", "greedy.h", "products.h")
+           "greedy.cpp", "peak.cpp", "layer.cpp")
+HEADERS = ("vec.h", "vec512.h", "elementwise.h", "attention.h", "amx.h", "greedy.h", "products.h", "ops.h")
 # -fopenmp: at::parallel_for is a header template; without it the kernels would run on one thread
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 

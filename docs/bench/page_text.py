@@ -28,7 +28,8 @@ FAST = """## What makes qwen-npu fast here
   SiLU-mul is the epilogue of the gate|up product itself (`gate_up_silu`); greedy sampling and
   the logits health check share one read of the logits (`csrc/greedy.cpp`), and in a step
   sampled in the call that runs it, the LM head's own pass makes them as it stores the logits
-  (`lm_head`, `csrc/greedy.h`).
+  (`lm_head`, `csrc/greedy.h`). On panels, a layer's calls for fewer than 96 rows are made in
+  one call from Python (`csrc/layer.cpp`), so Python is not re-entered after every product.
 - The scheduler does not admit a prompt in the step where another row is computing the
   blocks it starts with: it waits a step and takes them from the prefix cache.
 - Device outputs: one int64 per row crosses to the host per step.
@@ -118,7 +119,61 @@ comparison below interleaves its variants and divides each by the peak measured 
   its multiply-adds and widenings need, with K and V widened from bf16 for every 8 values and
   shared by only two query heads. Prefetching K and V 16 positions ahead (as the bf16 and AMX
   decode kernels do) did not change it (context 128: 87-91 against 82-89 us; 512: 260-311 against
-  249-302, caches flushed, both builds interleaved), so it is not waiting on memory.
+  249-302, caches flushed, both builds interleaved): prefetching is not what it lacks (below).
+- Decode attention measured again, 2026-12-07. The widening is not what bounds it: a version
+  that widens K and V in pairs (a 32-bit lane masked to its top half, and shifted up 16 bits: one
+  load and two integer operations per 16 values instead of two loads and four) ran no faster
+  from the caches (one thread, context 513: 125 against 121 us; 1025: 265 against 291) or from
+  memory (batch 16, context 160, the 28 layers' caches flushed: inside the 16-25 ms the unchanged
+  kernel spread over between processes), with or without prefetching 16-32 positions ahead; it
+  is not kept. A loop that only reads each token's K and V in the kernel's order, rows claimed by
+  two threads, reads them at 21-25 GB/s (batch 16: context 160 in 11.9 ms for the 28 layers, 512
+  in 44 ms); the kernel at 12-15 GB/s (20 and 80 ms). Its time is about the sum of its time from
+  the caches (about 30 GB/s worth) and the reading's, so computing and reading do not overlap.
+  Whole batch-16 steps spend 20-21 ms of 128-180 in decode attention at context 128-250, and
+  take 244-250 ms at context 512: there the overlap is the largest lever left in decode (up to
+  about 35 ms a step).
+- Reading in address order alone does not get it: the same rows read a KV head at a time across
+  8, 4 or 2 positions (the kernel's order) went at 15-19 GB/s against 22-24 GB/s for each
+  position's whole row in turn, with or without prefetching the next positions; but a kernel that
+  copies each 8 positions' K (then V) into an fp32 buffer in address order and computes from it
+  (the same sums in the same order: the same bits) was slower everywhere: batch 16, context 160,
+  28.6-28.9 against 20.8-25.8 ms; 512, 83-97 against 56-77; batch 1 at 1024, 12.9-17.9 against
+  10.1-11.2 (the copy adds a pass that nothing overlaps).
+- The loops themselves, one thread, compiled alone, with the K/V of 8-16 positions (in L1 and L2,
+  nothing waiting on memory): the scores at 41-50 GFLOP/s, the weighted sum at 38-53, against the
+  86 of the register-resident loop on one core; with float32 K/V (no widening at all) 31-41, slower
+  still. So neither the widening nor memory bounds them; what does is not known yet (this virtual
+  machine exposes no hardware counters; candidates: L1 set conflicts between rows 2 KiB apart,
+  the latency of the per-score reductions).
+- The KV cache in 2 MiB pages (collapsed with `MADV_COLLAPSE`): decode attention 3-10% faster in
+  five interleaved runs (batch 16, context 160: 24.5 / 26.0 and 22.2 / 24.7 ms for the 28 layers;
+  512: 60.9 / 65.4 and 74.9 / 77.5; batch 4 at 1024: 34.9 / 36.0); whole batch-16 steps at context
+  512, two sessions interleaved: 243.7 against 249.7 ms in one run, 188.2 against 184.7 in another
+  (medians of six and eight rounds): inside the noise. Not done; collapsing after the fact also
+  costs about 2.7 s per GB, so it would be an arena advised before the cache is first touched, as
+  the weights' is.
+- Batch-1 products with the work items claimed one at a time by the threads instead of split in
+  fixed halves (a core slowed by a neighbour would take fewer): the 28 layers' products and the LM
+  head at one row took 45.9 against 46.1 ms (medians of nine interleaved rounds, 26.0 GB/s both;
+  the read floor measured 27.5-36.4 GB/s on two threads and 20-21 on one in the same minutes), so
+  the threads' imbalance is not the gap to the read floor. Not kept. Nor was the products'
+  prefetch made non-temporal (so that the weights' stream would not evict the forward's other
+  data): batch-1 steps 41-50 ms either way (five interleaved rounds).
+- Returning to Python after a product is slow: a norm and two views took 10-13 us warm, 17-25 us
+  right after one layer's gate|up product (12.6 MB streamed) and 70-100 us after all 28; making
+  the products' prefetch non-temporal cut the last only to 71 us. So the cpu set makes a layer's
+  calls for fewer than 96 rows in one call from Python (`csrc/layer.cpp`, the same bits): in one
+  process with it switched on and off between rounds, a 28-layer model with tiny matrices took 3.5
+  instead of 4.4 ms a batch-1 step (9 of 10 rounds faster) and 7.6 instead of 8.0 ms at batch 16;
+  the 0.6B shape 45.3 / 46.0 and 51.4 / 52.7 ms at batch 1 (7 and 8 of 12 rounds faster; the rounds
+  moved by 10%), at batch 16 within the noise (160-225 ms).
+- A batch-1 step of the 0.6B timed call by call (context 128-250, three rounds of 20 steps, 51-53
+  ms a step): q|k|v, o and down 20.3-21.3 ms (25-26 GB/s), gate|up 12.5-13.6 (26-28 GB/s), the
+  LM head 10.4-11.3 (28-30 GB/s), attention 2.2-3.9, norms and RoPE 1.4-1.8, write_kv 0.2, and
+  2.6-3.1 ms outside the kernel calls (the host 0.3-0.4 of it; the rest the forward's Python and
+  torch's views). Calls cost 2-6 us each whatever their size (timed alone: attention at context 1
+  6 us, write_kv 5, add_rms_norm 3, rms_norm 2).
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 
