@@ -174,6 +174,30 @@ comparison below interleaves its variants and divides each by the peak measured 
   2.6-3.1 ms outside the kernel calls (the host 0.3-0.4 of it; the rest the forward's Python and
   torch's views). Calls cost 2-6 us each whatever their size (timed alone: attention at context 1
   6 us, write_kv 5, add_rms_norm 3, rms_norm 2).
+- Batch-16 products measured again, in one process with the FMA peak measured beside every round
+  (sixteen rows, eight layers' four matrices, 250 MB, in turn): in most rounds 110-125 GFLOP/s,
+  55-65% of the two-core peak, in a few 150-170 (75-85%); one thread alone ran at 61-84% of one
+  core's peak (median 78%, two threads 65% in the same rounds). The same bytes in one call: 61%
+  (59% in eight); eight matrices that fit the L3 (16 MB): 77-82%; the weights in huge pages or
+  not: 59% and 58%.
+  So the tile and the calls are not what loses: with both cores streaming weights from memory each
+  core's multiply-adds wait on its stream, although together they read only about 7 GB/s. Not
+  kept, tried in a copy of the loop outside the extension (about 15% slower than the extension;
+  the shares are the copy's own): the next block, or the one after, prefetched spread over all
+  three passes instead of 2 KiB ahead in the first (0.57-0.63 against 0.56-0.60; no software
+  prefetch 0.54); 4, 8 or 16 blocks ahead into L2 (0.54-0.56); both threads taking half of the
+  rows of every panel, so that one stream of weights serves both cores (0.42 against 0.52).
+- Decode attention of one token over n positions held in the caches, one thread, the 0.6B shape
+  (16 query heads over 8 KV heads of 128), the parts timed by leaving the others out: the scores
+  run at 40-42% of one core's peak, the weighted sum of V at 32-36%, and the softmax takes about a
+  tenth of the time (n = 1024: 102-106, 131-135 and 23-24 us). Not kept: the widening of q, the
+  maximum and the rounding of the output 8 lanes at a time (the same bits; 1-3% faster from n = 16
+  to 512); K and V widened by one interleave with zeros per 8 values, q and the sums in that order
+  (slower: the scores' loop then spills registers); V in chunks of 16 or 32 positions instead of 8
+  (no faster).
+- Batch-1 steps against the read floor measured before and after each (four rounds in a quiet
+  hour, memory read at 38-44 GB/s): 33.5-36.7 ms, 1.20-1.34x the floor, three rounds of four within
+  1.25x; in the benchmark run above, whose read figures spread over 30-45 GB/s, 1.51x and 2.42x.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 
