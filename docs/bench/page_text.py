@@ -187,6 +187,11 @@ comparison below interleaves its variants and divides each by the peak measured 
   three passes instead of 2 KiB ahead in the first (0.57-0.63 against 0.56-0.60; no software
   prefetch 0.54); 4, 8 or 16 blocks ahead into L2 (0.54-0.56); both threads taking half of the
   rows of every panel, so that one stream of weights serves both cores (0.42 against 0.52).
+  An hour later the gap was gone: the same eight layers at 16 rows ran at 81-85% of the peak
+  from memory and 81-84% from the L3, two threads at 80% against one thread's 84% (binding the
+  threads to cores, or making them spin, no better); whole batch-16 steps at context 128 took
+  122.8-138.4 ms, 68-76% of the limit measured beside each, against 51-53% in the benchmark run
+  above. What held the products back was other tenants' use of the memory the two cores share.
 - Decode attention of one token over n positions held in the caches, one thread, the 0.6B shape
   (16 query heads over 8 KV heads of 128), the parts timed by leaving the others out: the scores
   run at 40-42% of one core's peak, the weighted sum of V at 32-36%, and the softmax takes about a
@@ -194,10 +199,12 @@ comparison below interleaves its variants and divides each by the peak measured 
   maximum and the rounding of the output 8 lanes at a time (the same bits; 1-3% faster from n = 16
   to 512); K and V widened by one interleave with zeros per 8 values, q and the sums in that order
   (slower: the scores' loop then spills registers); V in chunks of 16 or 32 positions instead of 8
-  (no faster).
-- Batch-1 steps against the read floor measured before and after each (four rounds in a quiet
-  hour, memory read at 38-44 GB/s): 33.5-36.7 ms, 1.20-1.34x the floor, three rounds of four within
-  1.25x; in the benchmark run above, whose read figures spread over 30-45 GB/s, 1.51x and 2.42x.
+  (no faster); the weighted sum on two heads times 48 values, twelve accumulators instead of
+  eight (the same bits: 5-10% faster alone, the whole call within the noise).
+- Batch-1 steps against the read floor measured before and after each, four rounds at a time:
+  33.5-36.7 ms, 1.20-1.34x the floor (three rounds of four within 1.25x) while memory read at
+  38-44 GB/s; 44.5-50.0 ms, 1.36-1.50x, two hours later (29-39 GB/s); in the benchmark run above,
+  whose read figures spread over 30-45 GB/s, 1.51x and 2.42x.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 
