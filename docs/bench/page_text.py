@@ -191,7 +191,8 @@ comparison below interleaves its variants and divides each by the peak measured 
   from memory and 81-84% from the L3, two threads at 80% against one thread's 84% (binding the
   threads to cores, or making them spin, no better); whole batch-16 steps at context 128 took
   122.8-138.4 ms, 68-76% of the limit measured beside each, against 51-53% in the benchmark run
-  above. What held the products back was other tenants' use of the memory the two cores share.
+  above. Most likely what held the products back was other tenants' use of the memory the two
+  cores share (this host shows no counters to say so).
 - Decode attention of one token over n positions held in the caches, one thread, the 0.6B shape
   (16 query heads over 8 KV heads of 128), the parts timed by leaving the others out: the scores
   run at 40-42% of one core's peak, the weighted sum of V at 32-36%, and the softmax takes about a
@@ -203,7 +204,7 @@ comparison below interleaves its variants and divides each by the peak measured 
   eight (the same bits: 5-10% faster alone, the whole call within the noise).
 - Batch-1 steps against the read floor measured before and after each, four rounds at a time:
   33.5-36.7 ms, 1.20-1.34x the floor (three rounds of four within 1.25x) while memory read at
-  38-44 GB/s; 44.5-50.0 ms, 1.36-1.50x, two hours later (29-39 GB/s); in the benchmark run above,
+  38-44 GB/s; 44.5-50.0 ms, 1.36-1.50x, half an hour later (29-39 GB/s); in the benchmark run above,
   whose read figures spread over 30-45 GB/s, 1.51x and 2.42x.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
