@@ -110,7 +110,7 @@ comparison below interleaves its variants and divides each by the peak measured 
   at a time in L1 instead of two (16 KiB instead of the whole 32 KiB L1) gave 85% and 87% of the
   peak, no difference.
 - Where a batch-1 step goes beyond reading the weights (the step 1.35-1.67x its read floor in the
-  runs above): the products stream the weights at 25-35 GB/s against the 31-36 GB/s of the read
+  morning's runs, before a layer's calls were made in one call): the products stream the weights at 25-35 GB/s against the 31-36 GB/s of the read
   floor, the LM head at 29 GB/s; a model of the 0.6B depth with tiny matrices (28 layers, hidden
   64) takes 4.3-4.9 ms per batch-1 step, of which about 1 ms is its LM head and 0.4 ms the host,
   so the forward's calls cost about 3 ms a step whatever the matrices; and decode attention at
@@ -179,9 +179,9 @@ comparison below interleaves its variants and divides each by the peak measured 
   55-65% of the two-core peak, in a few 150-170 (75-85%); one thread alone ran at 61-84% of one
   core's peak (median 78%, two threads 65% in the same rounds). The same bytes in one call: 61%
   (59% in eight); eight matrices that fit the L3 (16 MB): 77-82%; the weights in huge pages or
-  not: 59% and 58%.
-  So the tile and the calls are not what loses: with both cores streaming weights from memory each
-  core's multiply-adds wait on its stream, although together they read only about 7 GB/s. Not
+  not: 59% and 58%. So the tile and the calls are not what loses: with both cores streaming
+  weights from memory each core's multiply-adds wait on its stream, although together they read
+  only about 7 GB/s. Not
   kept, tried in a copy of the loop outside the extension (about 15% slower than the extension;
   the shares are the copy's own): the next block, or the one after, prefetched spread over all
   three passes instead of 2 KiB ahead in the first (0.57-0.63 against 0.56-0.60; no software
@@ -204,8 +204,8 @@ comparison below interleaves its variants and divides each by the peak measured 
   eight (the same bits: 5-10% faster alone, the whole call within the noise).
 - Batch-1 steps against the read floor measured before and after each, four rounds at a time:
   33.5-36.7 ms, 1.20-1.34x the floor (three rounds of four within 1.25x) while memory read at
-  38-44 GB/s; 44.5-50.0 ms, 1.36-1.50x, half an hour later (29-39 GB/s); in the benchmark run above,
-  whose read figures spread over 30-45 GB/s, 1.51x and 2.42x.
+  38-44 GB/s; 44.5-50.0 ms, 1.36-1.50x, half an hour later (29-39 GB/s); in the benchmark run
+  above, whose read figures spread over 30-45 GB/s, 1.51x and 2.42x.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 
