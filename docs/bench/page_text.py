@@ -206,6 +206,21 @@ comparison below interleaves its variants and divides each by the peak measured 
   33.5-36.7 ms, 1.20-1.34x the floor (three rounds of four within 1.25x) while memory read at
   38-44 GB/s; 44.5-50.0 ms, 1.36-1.50x, half an hour later (29-39 GB/s); in the benchmark run
   above, whose read figures spread over 30-45 GB/s, 1.51x and 2.42x.
+- The host's work in a decode step counted as Python bytecodes (`sys.settrace` with opcode
+  events, 20 steps of 16 rows at context 128 on a random two-layer model with hidden size 64 and
+  the 0.6B's vocabulary), a count that does not move with the other tenants: 37.4 thousand a step
+  before the changes of the changelog's "Less host work in a step", 30.5 thousand after. Timed,
+  in alternating processes (median host time of 350 steps each): 0.79-1.29 ms before and
+  0.69-1.15 ms after on that model (lower in 3 of 4 pairs; the 25th percentiles in all 4), and on
+  the 0.6B over 60 steps each 1.41-1.54 ms before and 1.05-1.43 ms after (3 of 3). The most left
+  per step, by phase: scheduling on the draft (5.5 thousand: 16 request drafts and a clone of
+  the block tables), the plan (5.0), sampling and staging the tokens (3.9), booking (3.7: the
+  tables' commit and the ledger's entries) and the slot check (3.4, 120 a token).
+- Many rows (512), x packed into the tile's groups straight from bf16 instead of widened to an
+  fp32 copy first (the same bits): the packing took 4.6% of perf's samples of a [512, 3072] x
+  [3072, 1024] product loop against 2.9% for packing plus 1.3% for the widening before, and the
+  layer's four products ran at 0.766 / 0.814 of the peak against 0.772 / 0.804 (medians of two
+  runs of 12 interleaved rounds). Not kept.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 

@@ -241,10 +241,10 @@ class KVCacheManager:
         Returns False, changing nothing, when too few blocks are allocatable.
         """
         state = self._requests.get(request_id)
+        if state is not None and num_tokens <= len(state.table) * self._block_size:
+            return True                  # most decode steps: the last block has room
         have = len(state.table) if state is not None else 0
         n = max(0, _blocks_for(num_tokens, self._block_size) - have)
-        if n == 0 and state is not None:
-            return True                  # most decode steps: the last block has room
         if not self._pool.can_allocate(n):
             return False
         if state is None:
@@ -259,7 +259,7 @@ class KVCacheManager:
             raise InvalidRequestError(f"request {request_id}: num_computed {num_computed} must lie between "
                                       f"the {state.num_computed} tokens already computed and the "
                                       f"{len(token_ids)} tokens given")
-        if _blocks_for(num_computed, self._block_size) > len(state.table):
+        if num_computed > len(state.table) * self._block_size:
             raise InvalidRequestError(f"request {request_id}: {num_computed} computed tokens need more than "
                                       f"the {len(state.table)} blocks of its table; allocate first")
         state.num_computed = num_computed

@@ -97,6 +97,13 @@ class StepWrites:
             if len(ps) != len(ss):
                 raise ValueError(f"{at}: row {r} has {len(ps)} positions but {len(ss)} slots")
 
+    def token_writes(self) -> tuple[list[int], list[int], list[int]]:
+        """(slot, position, row) of every token, in row order: the rows read token by token (a
+        step's plan has these lists already and hands them out as they are)."""
+        slots = [s for row in self.row_slots for s in row]
+        pos = [p for row in self.row_positions for p in row]
+        return slots, pos, [r for r, row in enumerate(self.row_slots) for _ in row]
+
 
 class ProblemReport:
     """What a check found, as ``.items`` (each with a ``.message``): ``.ok`` when there is none,
@@ -190,9 +197,7 @@ def check_step_writes(writes: StepWrites, *, block_size: int, num_blocks: int | 
     of another request is a problem; the ledger alone only adds "last written by" to messages.
     """
     w, n = writes, writes.num_dispatched
-    slots = [s for row in w.row_slots for s in row]
-    pos = [p for row in w.row_positions for p in row]
-    tok_rows = [r for r, row in enumerate(w.row_slots) for _ in row]
+    slots, pos, tok_rows = w.token_writes()
     kind = w.kind
     if w.kind == "mixed":
         d = w.row_kinds[:w.num_active].count("decode")

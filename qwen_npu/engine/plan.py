@@ -1,15 +1,16 @@
 """A step's plan, the one record of what a step dispatches, and the StepResult that reads it.
 
 Rows, positions, slots, block tables and lengths are held here once. Everything else reads them
-from the plan: the slot checks (a plan is a ``StepWrites`` by its ``row_*`` views), the ledger
-(``token_*`` views), the runner's kernel metadata, ``StepResult`` and through it snapshots and
-dumps. The step checks a plan before the runner copies it into the dispatch buffers, so a step
-that would corrupt the cache is refused while nothing has been written.
+from the plan: the slot checks (a plan is a ``StepWrites`` by its ``row_*`` views and
+``token_writes``), the ledger (``token_*`` views), the runner's kernel metadata, ``StepResult``
+and through it snapshots and dumps. The step checks a plan before the runner copies it into the
+dispatch buffers, so a step that would corrupt the cache is refused while nothing has been written.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -28,8 +29,8 @@ def buffer_set(kind: str) -> str:
     return "decode" if kind == "decode" else "prefill"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PlanRow:
+class PlanRow(NamedTuple):
+    """One row of a plan (immutable: a plan records what ran)."""
     request: Request
     start: int            # first position computed by this row
     end: int              # one past the last position
@@ -54,8 +55,9 @@ class StepPlan:
     logits_index: list[int]      # token indices whose logits are computed
     logits_rows: list[int]       # the rows they belong to (active rows only are exposed)
 
-    @property
+    @functools.cached_property
     def request_ids(self) -> list[int]:
+        """One per dispatched row (computed once: the rows never change after planning)."""
         return [r.request.id for r in self.rows]
 
     @property
@@ -68,7 +70,7 @@ class StepPlan:
         """Per row: how many drafts it verifies (0 but for a decode row of a speculative step)."""
         return [len(r.drafts) for r in self.rows]
 
-    @property
+    @functools.cached_property
     def num_drafts(self) -> int:
         return sum(len(r.drafts) for r in self.rows)
 
@@ -96,6 +98,10 @@ class StepPlan:
     @property
     def row_block_tables(self) -> list[list[int]]:
         return self.block_tables
+
+    def token_writes(self) -> tuple[list[int], list[int], list[int]]:
+        """(slot, position, row) of every token, in token order: the plan's own lists."""
+        return self.slot_mapping, self.positions, self.token_rows
 
     # ---- the plan read token by token (the ledger) ------------------------------------------
     @functools.cached_property
@@ -174,7 +180,7 @@ def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: d
     if pad_to is not None and plan_rows:
         first = plan_rows[0]
         for _ in range(num_active, pad_to):
-            plan_rows.append(dataclasses.replace(first, padding=True))
+            plan_rows.append(first._replace(padding=True))
             ids.append(ids[0])
             pos.append(pos[0])
             slots.append(slots[0])
@@ -219,7 +225,7 @@ class StepResult:
     kind = property(lambda self: self.plan.kind,
                     doc='"prefill" | "decode" | "mixed" (both kinds of row) | "verify" (decode rows with drafts)')
     index = property(lambda self: self.plan.index, doc="the session's step counter")
-    request_ids = property(lambda self: self.plan.request_ids,
+    request_ids = property(lambda self: list(self.plan.request_ids),
                            doc="one per dispatched row (padding rows repeat the copied id)")
     batch_size = property(lambda self: len(self.plan.rows), doc="rows dispatched")
     num_active = property(lambda self: self.plan.num_active,
@@ -301,7 +307,7 @@ class StepResult:
 
     @property
     def sampled(self) -> bool:
-        return self.sampled_tokens is not None or not self.logits_request_ids
+        return self.sampled_tokens is not None or not self.plan.logits_rows
 
     def to_dict(self, *, logits_topk: int = 0) -> dict:
         """What the step dispatched (and sampled) as plain JSON types; see docs/dump-format.md."""

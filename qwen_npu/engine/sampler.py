@@ -163,7 +163,7 @@ def mask_early_stops(logits: torch.Tensor, reqs, pinned=None) -> tuple[torch.Ten
     returned unchanged (no copy) when no row needs it. ``pinned``: as for ``sample``."""
     rows, cols = [], []
     for r, req in enumerate(reqs):
-        if len(req.output_token_ids) < req.sampling.min_new_tokens:
+        if req.sampling.min_new_tokens and len(req.output_token_ids) < req.sampling.min_new_tokens:
             for t in sorted(req.stop_token_ids):
                 rows.append(r)
                 cols.append(t)

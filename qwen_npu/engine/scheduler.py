@@ -55,9 +55,11 @@ class Scheduler:
         ``admitting``: False once a waiting request found no room or one was preempted (then no
         waiting request is admitted in this step).
         """
+        rows = list(rows or [])
+        if not candidates:
+            return rows
         requests, candidates = draft.all(requests), draft.all(candidates)
         manager = draft.manager
-        rows = list(rows or [])
         budget = self.chunk_size - sum(n for _, n in rows)
         num_running = len(self.running(requests))
         for req in candidates:

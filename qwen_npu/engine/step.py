@@ -224,8 +224,9 @@ def book(engine, plan: StepPlan, draft: StepDraft, step_hook) -> LedgerWrites:
         for rid, why in step_hook.private_requests().items():    # K/V computed under a research edit
             manager.keep_private(rid, why)
     for row in plan.rows[:plan.num_active]:       # drafts are not computed tokens until accepted
-        row.request.num_computed_tokens = row.end - len(row.drafts)
-        manager.commit(row.request.id, row.request.token_ids, row.end - len(row.drafts))
+        req, computed = row.request, row.end - len(row.drafts)
+        req.num_computed_tokens = computed
+        manager.commit(req.id, req.token_ids, computed)
     writes = engine.ledger.prepare(plan.index, plan.slot_mapping, plan.token_request_ids, plan.positions,
                                    plan.token_rows, plan.token_kinds)
     fault_point("booked")
@@ -268,7 +269,7 @@ def sample_rows(step: StepResult, draft: StepDraft, generators: dict, force: dic
         s["health"] = [(rid, HEALTH[c]) for rid, c in s["health"]]
         return Sampled(**s)
     t0 = time.perf_counter()
-    reqs = [draft.of(r) for r in (draft.requests[i] for i in step.logits_request_ids)]
+    reqs = [draft.of(draft.requests[i]) for i in step.logits_request_ids]
     logits = step.logits.view_unchecked()                                           # [rows, vocab]
     pinned = buffers.staging("sample")
     with buffers.writing("sample"):
@@ -328,13 +329,12 @@ def warn_about(c: Commit) -> None:
 def written_blocks(plan: StepPlan, block_size: int) -> dict[int, int]:
     """block -> the request whose row writes it in ``plan`` (active rows)."""
     out: dict[int, int] = {}
-    for row, a, b in plan.row_slices():
-        if row >= plan.num_active:
+    ids, active = plan.request_ids, plan.num_active
+    for slot, row in zip(plan.slot_mapping, plan.token_rows):
+        if row >= active:
             break
-        rid = plan.rows[row].request.id
-        for slot in plan.slot_mapping[a:b]:
-            if slot >= 0:
-                out.setdefault(slot // block_size, rid)
+        if slot >= 0:
+            out.setdefault(slot // block_size, ids[row])
     return out
 
 

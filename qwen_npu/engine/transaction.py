@@ -69,6 +69,12 @@ class TokenIds(Sequence):
 
     def __getitem__(self, i):
         n = len(self._prompt)
+        if type(i) is int and i >= 0:                 # the common case first: one token
+            if i < n:
+                return self._prompt[i]
+            if i - n < len(self._output):
+                return self._output[i - n]
+            raise IndexError(f"token {i} of {len(self)}")
         if isinstance(i, slice):
             start, stop, stride = i.indices(len(self))
             if stride != 1:
@@ -155,6 +161,10 @@ class RequestDraft:
         return len(self.prompt_token_ids) + len(self.request.output_token_ids) + len(self._new_tokens)
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.request.output_token_ids) + len(self._new_tokens)
+
+    @property
     def is_done(self) -> bool:
         return self.status in DONE
 
@@ -225,12 +235,13 @@ class StepDraft:
         d.status = DECODING
         if d.draft_token_ids:             # drafts are proposed for the tokens as they were
             d.draft_token_ids = ()
-        may_stop = len(d.output_token_ids) > d.sampling.min_new_tokens
+        n = d.num_output_tokens
+        may_stop = n > d.sampling.min_new_tokens
         hit = d.stop_strings.push(token, search=may_stop) if d.stop_strings is not None else None
         if may_stop and (token in d.stop_token_ids or hit is not None):
             d.stop_reason = token if token in d.stop_token_ids else hit
             self.finish(d, "stop")
-        elif len(d.output_token_ids) >= d.sampling.max_new_tokens:
+        elif n >= d.sampling.max_new_tokens:
             self.finish(d, "length")
 
     def finish(self, d: RequestDraft, reason: str, status: str = FINISHED) -> None:

@@ -17,8 +17,8 @@ def test_every_index_and_slice_matches_the_joined_list(prompt, output):
         assert view[start:stop:stride] == joined[start:stop:stride], (start, stop, stride)
     for i in range(-len(joined), len(joined)):
         assert view[i] == joined[i], i
-    for i in (len(joined), -len(joined) - 1):
-        with pytest.raises(IndexError):
+    for i in (len(joined), len(joined) + 5, -len(joined) - 1):
+        with pytest.raises(IndexError, match=rf"token -?\d+ of {len(joined)}"):
             view[i]
 
 
@@ -30,3 +30,4 @@ def test_a_draft_gives_the_view_of_its_own_lists():
     assert req.all_token_ids == [1, 2, 3, 8]
     assert list(d.token_ids) == d.all_token_ids == [1, 2, 3, 8, 9]
     assert d.token_ids[2:5] == [3, 8, 9] and d.token_ids[4] == 9
+    assert d.num_output_tokens == 2 and d.num_tokens == 5 and len(req.output_token_ids) == 1
