@@ -241,7 +241,7 @@ class KVCacheManager:
         Returns False, changing nothing, when too few blocks are allocatable.
         """
         state = self._requests.get(request_id)
-        if state is not None and num_tokens <= len(state.table) * self._block_size:
+        if state is not None and 0 <= num_tokens <= len(state.table) * self._block_size:
             return True                  # most decode steps: the last block has room
         have = len(state.table) if state is not None else 0
         n = max(0, _blocks_for(num_tokens, self._block_size) - have)

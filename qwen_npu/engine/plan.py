@@ -56,9 +56,13 @@ class StepPlan:
     logits_rows: list[int]       # the rows they belong to (active rows only are exposed)
 
     @functools.cached_property
+    def _request_ids(self) -> tuple[int, ...]:
+        return tuple(r.request.id for r in self.rows)     # once: the rows never change after planning
+
+    @property
     def request_ids(self) -> list[int]:
-        """One per dispatched row (computed once: the rows never change after planning)."""
-        return [r.request.id for r in self.rows]
+        """One per dispatched row (a new list)."""
+        return list(self._request_ids)
 
     @property
     def row_kinds(self) -> list[str]:
@@ -111,7 +115,7 @@ class StepPlan:
 
     @property
     def token_request_ids(self) -> list[int]:
-        ids = self.request_ids
+        ids = self._request_ids
         return [ids[r] for r in self.token_rows]
 
     @property
@@ -225,7 +229,7 @@ class StepResult:
     kind = property(lambda self: self.plan.kind,
                     doc='"prefill" | "decode" | "mixed" (both kinds of row) | "verify" (decode rows with drafts)')
     index = property(lambda self: self.plan.index, doc="the session's step counter")
-    request_ids = property(lambda self: list(self.plan.request_ids),
+    request_ids = property(lambda self: self.plan.request_ids,
                            doc="one per dispatched row (padding rows repeat the copied id)")
     batch_size = property(lambda self: len(self.plan.rows), doc="rows dispatched")
     num_active = property(lambda self: self.plan.num_active,

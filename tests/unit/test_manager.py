@@ -203,3 +203,13 @@ def test_reset():
     assert not mgr.has(1) and mgr.num_free_blocks == 4 and mgr.num_cached_blocks == 0
     assert mgr.match_prefix(2, [1, 2, 3]) == 0
     assert mgr.check() == []
+
+
+def test_allocate_answers_within_the_table_and_refuses_a_negative_count():
+    mgr = KVCacheManager(8, 4)
+    assert mgr.allocate(1, 5) and mgr.block_table(1) == [0, 1]
+    assert mgr.allocate(1, 8) and mgr.allocate(1, 0) and mgr.block_table(1) == [0, 1]   # no new block
+    assert mgr.allocate(1, 9) and mgr.block_table(1) == [0, 1, 2]
+    with pytest.raises(ValueError, match="num_tokens >= 0"):
+        mgr.allocate(1, -3)
+    assert mgr.block_table(1) == [0, 1, 2] and mgr.check() == []
