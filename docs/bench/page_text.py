@@ -209,7 +209,7 @@ comparison below interleaves its variants and divides each by the peak measured 
 - The host's work in a decode step counted as Python bytecodes (`sys.settrace` with opcode
   events, 20 steps of 16 rows at context 128 on a random two-layer model with hidden size 64 and
   the 0.6B's vocabulary), a count that does not move with the other tenants: 37.4 thousand a step
-  before the changes of the changelog's "Less host work in a step", 30.6 thousand after. Timed,
+  before the changes of the changelog's "Less host work in a step", 30.7 thousand after. Timed,
   in alternating processes (median host time of 350 steps each): 0.79-1.29 ms before and
   0.69-1.15 ms after on that model (lower in 3 of 4 pairs; the 25th percentiles in all 4), and on
   the 0.6B over 60 steps each 1.41-1.54 ms before and 1.05-1.43 ms after (3 of 3). The most left

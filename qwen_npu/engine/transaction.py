@@ -69,26 +69,22 @@ class TokenIds(Sequence):
 
     def __getitem__(self, i):
         n = len(self._prompt)
-        if type(i) is int and i >= 0:                 # the common case first: one token
-            if i < n:
+        if not isinstance(i, slice):                  # one token: the common case, tested first
+            if i < 0:
+                i += len(self)
+            if 0 <= i < n:
                 return self._prompt[i]
-            if i - n < len(self._output):
+            if 0 <= i - n < len(self._output):
                 return self._output[i - n]
             raise IndexError(f"token {i} of {len(self)}")
-        if isinstance(i, slice):
-            start, stop, stride = i.indices(len(self))
-            if stride != 1:
-                return [self[j] for j in range(start, stop, stride)]
-            if stop <= n:
-                return self._prompt[start:stop]
-            if start >= n:
-                return self._output[start - n:stop - n]
-            return self._prompt[start:] + self._output[:stop - n]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"token {i} of {len(self)}")
-        return self._prompt[i] if i < n else self._output[i - n]
+        start, stop, stride = i.indices(len(self))
+        if stride != 1:
+            return [self[j] for j in range(start, stop, stride)]
+        if stop <= n:
+            return self._prompt[start:stop]
+        if start >= n:
+            return self._output[start - n:stop - n]
+        return self._prompt[start:] + self._output[:stop - n]
 
 
 class RequestDraft:
