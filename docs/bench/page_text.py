@@ -191,7 +191,7 @@ comparison below interleaves its variants and divides each by the peak measured 
   from memory and 81-84% from the L3, two threads at 80% against one thread's 84% (binding the
   threads to cores, or making them spin, no better); whole batch-16 steps at context 128 took
   122.8-138.4 ms, 68-76% of the limit measured beside each, against 51-53% in the benchmark run
-  above. Most likely what held the products back was other tenants' use of the memory the two
+  of 2026-12-07 11:55 (50% and 66% in the one above, at 18:10). Most likely what held the products back was other tenants' use of the memory the two
   cores share (this host shows no counters to say so).
 - Decode attention of one token over n positions held in the caches, one thread, the 0.6B shape
   (16 query heads over 8 KV heads of 128), the parts timed by leaving the others out: the scores
@@ -205,7 +205,8 @@ comparison below interleaves its variants and divides each by the peak measured 
 - Batch-1 steps against the read floor measured before and after each, four rounds at a time:
   33.5-36.7 ms, 1.20-1.34x the floor (three rounds of four within 1.25x) while memory read at
   38-44 GB/s; 44.5-50.0 ms, 1.36-1.50x, half an hour later (29-39 GB/s); in the benchmark run
-  above, whose read figures spread over 30-45 GB/s, 1.51x and 2.42x.
+  of 2026-12-07 11:55, whose read figures spread over 30-45 GB/s, 1.51x and 2.42x (1.54x and
+  1.47x in the one above, at 18:10, at 32-38 GB/s).
 - The host's work in a decode step counted as Python bytecodes (`sys.settrace` with opcode
   events, 20 steps of 16 rows at context 128 on a random two-layer model with hidden size 64 and
   the 0.6B's vocabulary), a count that does not move with the other tenants: 37.4 thousand a step
@@ -221,6 +222,24 @@ comparison below interleaves its variants and divides each by the peak measured 
   [3072, 1024] product loop against 2.9% for packing plus 1.3% for the widening before, and the
   layer's four products ran at 0.766 / 0.814 of the peak against 0.772 / 0.804 (medians of two
   runs of 12 interleaved rounds). Not kept.
+- Prefill attention of one 512-token row (16 query heads over 8 KV heads of 128, bf16 caches),
+  as a share of the multiply-add peak measured beside it (best and median of 12 interleaved
+  rounds): one thread 0.65 and 0.49, two threads 0.56 and 0.46; at 128 tokens, two threads 0.41
+  and 0.35. perf puts 70% of its samples in the two products on the register tile (S = Q K^T,
+  P V); the rest go to the softmax, K's transposes and V's widening. Chunks of 64 positions
+  instead of 32, the last chunk multiplied only as far as its positions go, and q and the output
+  converted 8 lanes at a time: one thread 0.67 and 0.50, two threads 0.56 and 0.45, at 128
+  tokens 0.41 and 0.34 (in an earlier run of 10 rounds on one thread: 0.64 and 0.63 against 0.63
+  and 0.60). Kept, with the fix below. Tiles of 60 query rows (ten register tiles of 6) instead
+  of 64: no faster.
+- A row's last tile of one token went to the one-token (decode) kernel, whose sums run in
+  another order: a prompt cut into chunks whose length leaves one token past a multiple of 32
+  got other bits than the whole prompt. The `mixed` workload with `mixed_steps=True` cuts one
+  prompt into a chunk of 161 tokens. With that tile through the tile loop, all 32 requests of
+  `mixed` give the same tokens with `mixed_steps=True` as without, on the random checkpoint. A
+  prompt chunk of exactly one token still goes to the decode kernel: the kernel cannot tell it
+  from a decode row. `mixed` without mixed steps cuts one such chunk. So tokens are not
+  identical in general, and the default stays prefill-first.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 

@@ -17,6 +17,7 @@
 //
 // The threads claim the items one at a time, the most work first.
 #include "attention.h"
+#include "elementwise.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
@@ -27,7 +28,7 @@
 namespace qwen_npu_cpu {
 namespace {
 
-constexpr int64_t CHUNK = 32;          // context positions per step of the flash loop (2 x 16)
+constexpr int64_t CHUNK = 64;          // context positions per step of the flash loop (4 x 16)
 constexpr int64_t MAX_QUERY_ROWS = 64;  // tokens x heads per tile
 
 // Tokens [0, T) of one row (token i sees positions [0, first_visible + i)), KV head kvh.
@@ -46,21 +47,27 @@ void attend_tile(const S* q, const S* kc, const S* vc, const int64_t* pos, int64
   float* mx = sp + MQ * CHUNK;
   float* sum = mx + MQ;
   const std::vector<S> zrow(D, static_cast<S>(0.0f));   // stands in for positions past the context
+  const __m256 vscale = _mm256_set1_ps(scale);
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < G; ++h)
-      for (int64_t d = 0; d < D; ++d) qf[(t * G + h) * D + d] = to_f(q[t * g.H * D + h * D + d]) * scale;
+    for (int64_t h = 0; h < G; ++h) {
+      const S* src = q + t * g.H * D + h * D;
+      float* dst = qf + (t * G + h) * D;
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(load8(src + d), vscale));
+      for (; d < D; ++d) dst[d] = to_f(src[d]) * scale;
+    }
   std::fill(acc, acc + MQ * D, 0.0f);
   std::fill(mx, mx + MQ, -INFINITY);
   std::fill(sum, sum + MQ, 0.0f);
   const S* rows[16];
   for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
-    const int64_t cn = std::min(CHUNK, n - c0);
+    const int64_t cn = std::min(CHUNK, n - c0), cw = (cn + 15) / 16 * 16;   // cw: positions multiplied
     for (int64_t b = 0; b < cn; b += 16) {                 // S[:, b:b+16] = Q K^T
       for (int64_t r = 0; r < 16; ++r) rows[r] = c0 + b + r < n ? kv_row(kc, pos, c0 + b + r, kvh, g) : zrow.data();
       pack16(rows, 0, D, kt + b * D, 0);
       rows16(qf, D, MQ, kt + b * D, 16, D, sp + b, CHUNK, false);
     }
-    for (int64_t p = 0; p < CHUNK; ++p) {
+    for (int64_t p = 0; p < cw; ++p) {
       float* dst = vf + p * D;
       if (p < cn) {
         const S* v = kv_row(vc, pos, c0 + p, kvh, g);
@@ -74,16 +81,16 @@ void attend_tile(const S* q, const S* kc, const S* vc, const int64_t* pos, int64
       const int64_t visible = first_visible + m / G;       // positions [0, visible) are seen
       float* s = sp + m * CHUNK;
       const int64_t live = std::clamp<int64_t>(visible - c0, 0, cn);
-      for (int64_t p = live; p < CHUNK; ++p) s[p] = -INFINITY;
+      for (int64_t p = live; p < cw; ++p) s[p] = -INFINITY;
       // the running maximum: a NaN score is passed over (max_ps returns its second operand)
       __m256 vmax = _mm256_set1_ps(mx[m]);
-      for (int64_t p = 0; p < CHUNK; p += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(s + p), vmax);
+      for (int64_t p = 0; p < cw; p += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(s + p), vmax);
       const float cmax = hmax(vmax);
       const float alpha = std::exp(mx[m] - cmax);         // 0 on the first chunk (mx = -inf)
       mx[m] = cmax;
       const __m256 vmx = _mm256_set1_ps(cmax);
       __m256 vs = _mm256_setzero_ps();
-      for (int64_t p = 0; p < CHUNK; p += 8) {
+      for (int64_t p = 0; p < cw; p += 8) {
         const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmx));
         _mm256_storeu_ps(s + p, e);
         vs = _mm256_add_ps(vs, e);
@@ -95,18 +102,23 @@ void attend_tile(const S* q, const S* kc, const S* vc, const int64_t* pos, int64
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(va, _mm256_loadu_ps(a + d)));
       }
     }
-    for (int64_t d0 = 0; d0 < D; d0 += 16) rows16(sp, CHUNK, MQ, vf + d0, D, CHUNK, acc + d0, D, true);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) rows16(sp, CHUNK, MQ, vf + d0, D, cw, acc + d0, D, true);
   }
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < G; ++h) {
       const int64_t m = t * G + h;
       const float inv = 1.0f / sum[m];
-      for (int64_t d = 0; d < D; ++d) out[t * g.H * D + h * D + d] = static_cast<S>(acc[m * D + d] * inv);
+      const __m256 vinv = _mm256_set1_ps(inv);
+      S* dst = out + t * g.H * D + h * D;
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) elementwise::store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(acc + m * D + d), vinv));
+      for (; d < D; ++d) dst[d] = static_cast<S>(acc[m * D + d] * inv);
     }
 }
 
-// A work item: tokens [t0, t1) of a row, KV heads [kvh0, kvh1).
-struct Item { int64_t row, t0, t1, kvh0, kvh1; };
+// A work item: tokens [t0, t1) of a row, KV heads [kvh0, kvh1); token: one token through the
+// decode kernels (a row of one query token, or any token where the head size rules out tiles).
+struct Item { int64_t row, t0, t1, kvh0, kvh1; bool token; };
 
 }  // namespace
 
@@ -128,17 +140,19 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
   std::vector<Item> items;
   // Invariant: a decode token is a tile of one, so that a position meets one computation in
   // every kind of step. A query row's sums in a tile are its own (the other rows of the tile only
-  // add chunks wholly masked for it, exact no-ops), so a token's bits do not depend on its tile.
+  // add chunks wholly masked for it, exact no-ops), so a token's bits do not depend on its tile;
+  // the last tile of a row goes through the tile loop however few tokens it has, so that a prompt
+  // cut into chunks of two or more tokens gets the bits of the whole prompt.
   for (int64_t r = 0; r < shape.rows; ++r) {
     if (qsl[r + 1] - qsl[r] == 1 && !(shape.invariant && blocked)) {
       for (int64_t s = 0; s < splits; ++s)
-        items.push_back({r, qsl[r], qsl[r] + 1, g.KV * s / splits, g.KV * (s + 1) / splits});
+        items.push_back({r, qsl[r], qsl[r] + 1, g.KV * s / splits, g.KV * (s + 1) / splits, true});
       continue;
     }
     const int64_t width = amx_rows ? std::max<int64_t>(1, qsl[r + 1] - qsl[r]) : tile;
     for (int64_t t0 = qsl[r]; t0 < qsl[r + 1]; t0 += width)
       for (int64_t kvh = 0; kvh < g.KV; ++kvh)
-        items.push_back({r, t0, std::min<int64_t>(t0 + width, qsl[r + 1]), kvh, kvh + 1});
+        items.push_back({r, t0, std::min<int64_t>(t0 + width, qsl[r + 1]), kvh, kvh + 1, !blocked});
   }
   // The threads claim items one at a time, the most work first (positions read times the query
   // rows and KV heads that read them): the rows of a step differ in context, and a core slowed
@@ -171,7 +185,7 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
         for (int64_t j = 0, p0 = b * g.BS; j < g.BS && p0 + j < n; ++j) pos[p0 + j] = base + j * g.pos_stride();
       }
       const int64_t off = it.t0 * g.H * g.D + it.kvh0 * g.G * g.D;
-      if (it.t1 - it.t0 == 1 && !(shape.invariant && blocked)) {
+      if (it.token) {
         if (!(shape.amx && attend_token_amx(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1, scale, g,
                                             o + off)) &&
             !(shape.bf16_dot && attend_token_bf16(q + off, kc, vc, pos.data(), first_visible, it.kvh0, it.kvh1,

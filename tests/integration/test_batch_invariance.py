@@ -153,3 +153,36 @@ def test_captures_are_invariant_too_the_attention_scores_included(ckpt32, kernel
     alone, batched = run_captured(64, 0), run_captured(7, 3)
     for n in names:
         assert torch.equal(alone[n], batched[n]), n
+
+
+@pytest.mark.skipif(not cpu.available(), reason="cpu kernels unavailable")
+def test_without_deterministic_a_bf16_prompt_cut_into_chunks_keeps_its_bits_on_the_cpu_set(tmp_path):
+    """In bf16 the cpu set's products (on panels) and prefill attention do not depend on how a
+    prompt is cut into chunks of two or more tokens, so even without ``deterministic=True`` a
+    prompt prefilled in chunks gets the logits and K/V bits of the whole prompt (float32 weights'
+    products are not invariant). Attention tiles take 32 tokens here (64 query rows over 2 query
+    heads per KV head): chunks of 33 and 65 tokens end in a tile of one. Wide heads and a long
+    prompt give the fp32 sums enough values for a different order to show after rounding to bf16."""
+    ckpt = make_tiny_qwen3(tmp_path, vocab_size=VOCAB + 1, hidden_size=128, num_hidden_layers=4,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=256,
+                           seed=4, dtype=torch.bfloat16)
+    prompt = random.Random(5).choices(range(VOCAB), k=230)
+
+    def go(chunk_size: int) -> tuple:
+        sess = Session.from_pretrained(ckpt, device="cpu", kernels="cpu", max_batch=4, block_size=16, num_blocks=32,
+                                       max_model_len=256, chunk_size=chunk_size, prefix_cache=False)
+        req = sess.add_request(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        logits, kv = {}, {}
+        while not req.is_done:
+            step = sess.step()
+            if req.id in step.logits_request_ids:
+                logits[len(req.output_token_ids) - 1] = step.logits.tensor[step.logits_request_ids.index(req.id)].clone()
+            if req.status in ("prefilling", "decoding"):
+                read_kv(sess, req, kv)
+        sess.close()
+        return req.output_token_ids, logits, kv
+
+    whole = go(256)
+    assert len(whole[1]) == 3 and len(whole[2]) == 4 * (len(prompt) + 1)
+    for chunk_size in (33, 65, 2):
+        assert not differences(whole, go(chunk_size)), chunk_size

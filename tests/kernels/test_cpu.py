@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from qwen_npu.kernels import cpu
 from qwen_npu.kernels import reference as ref
+from qwen_npu.kernels.metadata import AttentionMetadata
 from test_reference import DECODE_ROWS, PREFILL_ROWS, TOL, bits, build_case, naive_attention, naive_write
 
 from qwen_npu import SamplingParams, Session
@@ -161,6 +162,28 @@ def test_a_mixed_step_through_the_prefill_path_matches_dense_and_the_decode_path
         seq_lens_host=tuple(meta.seq_lens_host[r] for r in decode_rows), is_decode=True)
     by_decode = kernels.paged_attention(query[[starts[r] for r in decode_rows]], kc, vc, alone, scale)
     torch.testing.assert_close(out[[starts[r] for r in decode_rows]].double(), by_decode.double(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gqa, head_dim", [(2, 128), (4, 16), (3, 24)])
+@pytest.mark.parametrize("cuts", [(33, 98), (2, 65, 130), (1, 40)], ids=["33", "2-63", "1"])
+def test_a_prompt_cut_into_chunks_gets_the_bits_of_the_whole_prompt(cuts, gqa, head_dim, dtype):
+    """Chunked prefill: each chunk of two or more tokens, attending to the cached part before it,
+    gives bit for bit what the same tokens got in one call over the whole prompt, whatever tile
+    its last tokens fall into (a chunk of 33 tokens leaves a tile of one at 16 or 32 tokens a
+    tile). A chunk of one token is a decode row and goes through the decode path."""
+    whole_len = 140
+    meta, query, kc, vc, _, _ = build_case([(0, whole_len)], 16, 2, gqa, head_dim, dtype, seed=5)
+    scale = head_dim ** -0.5
+    whole = cpu.paged_attention(query, kc, vc, meta, scale)
+    edges = [0, *cuts, whole_len]
+    for a, b in itertools.pairwise(edges):
+        chunk = AttentionMetadata.for_rows([(a, b - a)], meta.slot_mapping[a:b].tolist(), meta.block_tables)
+        out = cpu.paged_attention(query[a:b], kc, vc, chunk, scale)
+        if b - a == 1:
+            torch.testing.assert_close(out.double(), whole[a:b].double(), **TOL[dtype])
+        else:
+            assert torch.equal(bits(out), bits(whole[a:b])), f"chunk [{a}, {b}) of {edges}"
 
 
 SDPA_ROWS_CASE = [(0, 40), (20, 1), (33, 17), (5, 3), (0, cpu.SDPA_ROWS), (9, cpu.SDPA_ROWS - 1), (0, 150), (7, 140)]
