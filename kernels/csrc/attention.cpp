@@ -140,9 +140,10 @@ void attention_kernel(const S* q, const S* kc, const S* vc, const int32_t* bt, c
   std::vector<Item> items;
   // Invariant: a decode token is a tile of one, so that a position meets one computation in
   // every kind of step. A query row's sums in a tile are its own (the other rows of the tile only
-  // add chunks wholly masked for it, exact no-ops), so a token's bits do not depend on its tile;
-  // the last tile of a row goes through the tile loop however few tokens it has, so that a prompt
-  // cut into chunks of two or more tokens gets the bits of the whole prompt.
+  // add chunks wholly masked for it, exact no-ops, where V is finite: 0 times an infinite V is
+  // NaN), so a token's bits do not depend on its tile; the last tile of a row goes through the
+  // tile loop however few tokens it has, so that a prompt cut into chunks of two or more tokens
+  // gets the bits of the whole prompt.
   for (int64_t r = 0; r < shape.rows; ++r) {
     if (qsl[r + 1] - qsl[r] == 1 && !(shape.invariant && blocked)) {
       for (int64_t s = 0; s < splits; ++s)
