@@ -236,7 +236,8 @@ comparison below interleaves its variants and divides each by the peak measured 
   another order: a prompt cut into chunks whose length leaves one token past a multiple of 32
   got other bits than the whole prompt. The `mixed` workload with `mixed_steps=True` cuts one
   prompt into a chunk of 161 tokens. With that tile through the tile loop, all 32 requests of
-  `mixed` give the same tokens with `mixed_steps=True` as without, on the random checkpoint. A
+  `mixed` give the same tokens with `mixed_steps=True` as without, on the random checkpoint
+  (before: 31 of 32, one request parting at its 28th token). A
   prompt chunk of exactly one token still goes to the decode kernel: the kernel cannot tell it
   from a decode row. `mixed` without mixed steps cuts one such chunk. So tokens are not
   identical in general, and the default stays prefill-first.
