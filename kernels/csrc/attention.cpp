@@ -33,6 +33,7 @@ constexpr int64_t MAX_QUERY_ROWS = 64;  // tokens x heads per tile
 
 // Tokens [0, T) of one row (token i sees positions [0, first_visible + i)), KV head kvh.
 // q and out point at the first token's first head of this KV head; token stride H * D.
+// D % 16 == 0 (the dispatch sends other head sizes to the decode kernels).
 template <typename S>
 void attend_tile(const S* q, const S* kc, const S* vc, const int64_t* pos, int64_t T, int64_t first_visible,
                  int64_t kvh, float scale, const Geometry& g, S* out, std::vector<float>& work) {
@@ -52,9 +53,7 @@ void attend_tile(const S* q, const S* kc, const S* vc, const int64_t* pos, int64
     for (int64_t h = 0; h < G; ++h) {
       const S* src = q + t * g.H * D + h * D;
       float* dst = qf + (t * G + h) * D;
-      int64_t d = 0;
-      for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(load8(src + d), vscale));
-      for (; d < D; ++d) dst[d] = to_f(src[d]) * scale;
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(load8(src + d), vscale));
     }
   std::fill(acc, acc + MQ * D, 0.0f);
   std::fill(mx, mx + MQ, -INFINITY);
@@ -107,12 +106,10 @@ void attend_tile(const S* q, const S* kc, const S* vc, const int64_t* pos, int64
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < G; ++h) {
       const int64_t m = t * G + h;
-      const float inv = 1.0f / sum[m];
-      const __m256 vinv = _mm256_set1_ps(inv);
+      const __m256 vinv = _mm256_set1_ps(1.0f / sum[m]);
       S* dst = out + t * g.H * D + h * D;
-      int64_t d = 0;
-      for (; d + 8 <= D; d += 8) elementwise::store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(acc + m * D + d), vinv));
-      for (; d < D; ++d) dst[d] = static_cast<S>(acc[m * D + d] * inv);
+      for (int64_t d = 0; d < D; d += 8)
+        elementwise::store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(acc + m * D + d), vinv));
     }
 }
 
