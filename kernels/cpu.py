@@ -47,8 +47,8 @@ but does all arithmetic in fp32:
                        in one pass over the qkv output's views          then rope of this set
     silu_mul         C++ (csrc/activation.cpp): silu(gate) * up       silu's exp: ~1e-7 relative
                        straight from the gate/up output                 in fp32
-    decoder_layer    C++ (csrc/layer.cpp): a layer's calls above in   the same bits as the
-                       one call from Python, for fewer than             separate calls
+    decoder_layers   C++ (csrc/layer.cpp): every layer's calls above  the same bits as the
+                       in one call from Python, for fewer than          separate calls
                        ``WIDEN_ROWS`` rows on panel weights
 
 float32 models use torch's float32 matrix products for ``linear`` (already fast) and the C++
@@ -371,29 +371,31 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return ops().gate_up_silu_amx(x, address, n)
 
 
-def decoder_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor,
-                  heads: int, kv_heads: int, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One decoder layer without a hook in one call (csrc/layer.cpp): the calls the model's forward
-    makes through this set for the layer (norm, q|k|v, ``qk_norm_rope``, ``write_kv``,
-    ``paged_attention``, o, norm, ``gate_up_silu``, down), in the same order on the same kernels,
-    so the same bits; returns (x, residual) for the next layer. ``layer``: the model's
-    ``LayerWeights``; ``residual`` None for the first layer. For bf16 rows below ``WIDEN_ROWS`` and
-    matrices held as 16-column panels (a CPU without native bf16), where the separate calls make
-    these products too; None, with nothing computed, everywhere else (the forward then makes them
-    one by one)."""
-    mats = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    norms = (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm)
+def decoder_layers(x: torch.Tensor, layers, kv_caches, meta: AttentionMetadata, cos: torch.Tensor,
+                   sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every decoder layer, none with a hook, in one call (csrc/layer.cpp): for each layer in turn
+    the calls the model's forward makes through this set for it (norm, q|k|v, ``qk_norm_rope``,
+    ``write_kv``, ``paged_attention``, o, norm, ``gate_up_silu``, down), in the same order on the
+    same kernels, so the same bits; returns (x, residual) after the last layer. ``layers``: the
+    model's ``LayerWeights``; ``kv_caches``: (key_cache, value_cache) per layer. For bf16 rows
+    below ``WIDEN_ROWS`` and matrices held as 16-column panels (a CPU without native bf16), where
+    the separate calls make these products too; None, with nothing computed, everywhere else (the
+    forward then makes them one by one)."""
     if not (x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] < WIDEN_ROWS and x.is_cpu
-            and all(m.dim() == 3 for m in mats) and all(w.dtype == x.dtype and w.is_cpu for w in norms)
-            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape and residual.is_cpu))
-            and cos.is_cpu and sin.is_cpu and heads > 0 and kv_heads > 0
+            and cos.is_cpu and sin.is_cpu and heads > 0 and kv_heads > 0 and len(layers) == len(kv_caches) > 0
             and (meta.is_decode or not amx() or amx_tiles())):   # where paged_attention takes its C++ path
         return None
-    weights = [layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, layer.o, layer.post_norm,
-               layer.gate_up, layer.down]
-    return tuple(ops().decoder_layer(
-        x, residual, weights, key_cache, value_cache,
+    weights = []
+    for layer in layers:
+        mats = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        norms = (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm)
+        if not (all(m.dim() == 3 for m in mats) and all(w.dtype == x.dtype and w.is_cpu for w in norms)):
+            return None
+        weights += (layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, layer.o, layer.post_norm,
+                    layer.gate_up, layer.down)
+    return tuple(ops().decoder_layers(
+        x, weights, [k for k, _ in kv_caches], [v for _, v in kv_caches],
         [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc], cos, sin, heads, kv_heads,
         float(eps), float(scale), WIDEN_ROWS, wide(), bf16_dot(), amx_tiles()))
 

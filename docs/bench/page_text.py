@@ -28,8 +28,8 @@ FAST = """## What makes qwen-npu fast here
   SiLU-mul is the epilogue of the gate|up product itself (`gate_up_silu`); greedy sampling and
   the logits health check share one read of the logits (`csrc/greedy.cpp`), and in a step
   sampled in the call that runs it, the LM head's own pass makes them as it stores the logits
-  (`lm_head`, `csrc/greedy.h`). On panels, a layer's calls for fewer than 96 rows are made in
-  one call from Python (`csrc/layer.cpp`), so Python is not re-entered after every product.
+  (`lm_head`, `csrc/greedy.h`). On panels, every layer's calls for fewer than 96 rows are made
+  in one call from Python (`csrc/layer.cpp`), so Python is not re-entered after every product.
 - The scheduler does not admit a prompt in the step where another row is computing the
   blocks it starts with: it waits a step and takes them from the prefix cache.
 - Device outputs: one int64 per row crosses to the host per step.
@@ -162,8 +162,9 @@ comparison below interleaves its variants and divides each by the peak measured 
   data): batch-1 steps 41-50 ms either way (five interleaved rounds).
 - Returning to Python after a product is slow: a norm and two views took 10-13 us warm, 17-25 us
   right after one layer's gate|up product (12.6 MB streamed) and 70-100 us after all 28; making
-  the products' prefetch non-temporal cut the last only to 71 us. So the cpu set makes a layer's
-  calls for fewer than 96 rows in one call from Python (`csrc/layer.cpp`, the same bits): in one
+  the products' prefetch non-temporal cut the last only to 71 us. So the cpu set made a layer's
+  calls for fewer than 96 rows in one call from Python (`csrc/layer.cpp`, the same bits; now all
+  the layers' in one, below): in one
   process with it switched on and off between rounds, a 28-layer model with tiny matrices took 3.5
   instead of 4.4 ms a batch-1 step (9 of 10 rounds faster) and 7.6 instead of 8.0 ms at batch 16;
   the 0.6B shape 45.3 / 46.0 and 51.4 / 52.7 ms at batch 1 (7 and 8 of 12 rounds faster; the rounds
@@ -241,6 +242,37 @@ comparison below interleaves its variants and divides each by the peak measured 
   prompt chunk of exactly one token still goes to the decode kernel: the kernel cannot tell it
   from a decode row. `mixed` without mixed steps cuts one such chunk. So tokens are not
   identical in general, and the default stays prefill-first.
+- Every layer's calls in one call from Python (`decoder_layers`) instead of one call per layer:
+  the 0.6B shape, both forms in one process and swapped step by step, three runs of 40 steps
+  each, medians: batch 1 48.7 / 49.6, 53.2 / 54.2 and 48.9 / 49.4 ms, batch 16 147.0 / 149.0,
+  148.4 / 150.6 and 151.1 / 153.2 ms. Before it, a batch-1 step spent 1.1 ms and a batch-16 step
+  2.0 ms of the forward outside the C++ calls (the host 0.6 and 1.1 ms besides). Kept.
+- Where the time of a batch-1 step goes, the read measured beside it (torch's sum over 1.19 GB
+  in huge pages after every third of 60 steps at context 128): steps 49.0 ms median, 37.4 best;
+  the read 39.2 ms median, 31.7 best, so 1.25x the read at the medians and 1.18x at the best. The
+  28 layers' products at one row streamed at 31.0 GB/s (median of 12 rounds) against 33.2 for
+  the sum interleaved with them, the LM head at 32.8: the products are within 10% of the read,
+  and the rest of a step is attention, the norms and the calls. The benchmark's figure divides
+  the median step by the best read of the sitting, measured before and after the run (30-45 GB/s
+  here), so on this host it moves with the other tenants more than with the code.
+- Prefill products alone, the 28 layers' four products at 512 rows, distinct weights as in a
+  step, five rounds with the FMA peak measured in each: 80-87% of the peak (median 85%), against
+  the 74% the benchmark gives the whole prefill. The prefill figure counts the layers' products
+  only, so attention (about a tenth of a 512-token step), the norms, RoPE and the LM head's row
+  all count as lost: 90% of the peak on that figure needs the products near the peak and the
+  rest nearly free.
+- Decode rows that share a prefix's blocks (the `seed` workload: sixteen rows on one 496-token
+  prefix) taken together, tried and not kept: one work item per KV head over all the rows, each
+  8-position chunk of the shared K and V read from memory once and then from L1 by every row,
+  with tiles of four query vectors by three positions for the scores and six query vectors by
+  16 values of d for the weighted sum (each row's sums in the order it has alone, so the same
+  bits), and the rows' own positions prefetched meanwhile. One thread, caches warm: 42.0 to 46.1
+  GFLOP/s at context 544 (16 rows sharing 496), 45.1 to 46.2 at 128; two threads, 77.3 to 74.1
+  and 75.9 to 69.0; the 28 layers' caches cold at context 544 (16 rows sharing 496), two
+  threads, 31.8 to 29.6 ms; `seed`'s decode steps, both builds swapped step by step, 218.7 and
+  217.2 ms. Rows that share a prefix already find it in L2 and L3 after the first, so reading it
+  once more is not what bounds them: the multiply-adds run at 40-50% of one core's peak either
+  way, and the same tiles alone in L1 reach 55-70%.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 

@@ -51,9 +51,9 @@ class TimedKernels:
         self.linear = linear
 
     def __getattr__(self, name):
-        """A function of the set that is not timed (its time falls in "other"). A layer's calls made
-        in one (``decoder_layer``) are not offered, so that each of them is timed on its own."""
-        if name.startswith("__") or name in ("_inner", "decoder_layer"):
+        """A function of the set that is not timed (its time falls in "other"). The layers' calls
+        made in one (``decoder_layers``) are not offered, so that each of them is timed on its own."""
+        if name.startswith("__") or name in ("_inner", "decoder_layers"):
             raise AttributeError(name)
         return getattr(self._inner, name)
 

@@ -1,10 +1,11 @@
-// One decoder layer of the cpu set in one call from Python: the calls model/qwen3.py's forward makes
-// for a layer without a hook, on weights held as 16-column panels, made here in the same order on
-// the same tensor-facing functions (products.cpp, module.cpp), so the result is the same, bit for
-// bit. What it saves is the trip through Python between them: each product streams megabytes of
-// weights through the caches, and the interpreter's and torch's own code and data that the next
-// call needs are gone by then, so every return to Python after a product is slow (measured in
-// docs/benchmarks.md). With it, a layer costs one return to Python instead of nine.
+// Every decoder layer of the cpu set in one call from Python: the calls model/qwen3.py's forward
+// makes for each layer without a hook, on weights held as 16-column panels, made here in the same
+// order on the same tensor-facing functions (products.cpp, module.cpp), so the result is the same,
+// bit for bit. What it saves is the trip through Python between them: each product streams
+// megabytes of weights through the caches, and the interpreter's and torch's own code and data
+// that the next call needs are gone by then, so every return to Python after a product is slow
+// (measured in docs/benchmarks.md). With it, a step's layers cost one return to Python instead
+// of nine per layer.
 //
 //   x, residual ─ add_rms_norm (rms_norm for the first layer, residual = x) ─ q|k|v ─ split
 //   ─ qk_norm_rope(q, k) ─ write_kv(k, v) ─ paged_attention ─ o ─ add_rms_norm ─ gate|up + silu
@@ -13,8 +14,9 @@
 #include "products.h"
 
 namespace qwen_npu_cpu {
+namespace {
 
-// weights: input_norm, q|k|v, q_norm, k_norm, o, post_norm, gate|up, down (model/qwen3.py's
+// One layer. weights: input_norm, q|k|v, q_norm, k_norm, o, post_norm, gate|up, down (model/qwen3.py's
 // LayerWeights order; the four matrices as panels). meta: slot_mapping, block_tables, seq_lens,
 // query_start_loc. residual: none for the first layer. bf16_dot and amx are the attention's
 // switches as cpu.py's paged_attention passes them.
@@ -52,6 +54,27 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   auto act = gate_up_silu_packed(h2, gate_up_w, widen_rows);
   if (!act.defined()) act = silu_mul(linear_packed(h2, gate_up_w, widen_rows), wide);
   return {linear_packed(act, down_w, widen_rows), res2};
+}
+
+}  // namespace
+
+// weights: each layer's 8 in decoder_layer's order, layer after layer; a key and a value cache per
+// layer; the first layer has no residual.
+std::tuple<torch::Tensor, torch::Tensor> decoder_layers(
+    torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> key_caches,
+    std::vector<torch::Tensor> value_caches, std::vector<torch::Tensor> meta, torch::Tensor cos, torch::Tensor sin,
+    int64_t heads, int64_t kv_heads, double eps, double scale, int64_t widen_rows, bool wide, bool bf16_dot, bool amx) {
+  const size_t layers = key_caches.size();
+  TORCH_CHECK(layers > 0 && value_caches.size() == layers && weights.size() == 8 * layers,
+              "cpu decoder_layers: 8 weights and a key and a value cache per layer expected, got ", weights.size(),
+              " weights, ", key_caches.size(), " key and ", value_caches.size(), " value caches");
+  std::optional<torch::Tensor> residual;
+  for (size_t i = 0; i < layers; ++i) {
+    std::vector<torch::Tensor> w(weights.begin() + 8 * i, weights.begin() + 8 * (i + 1));
+    std::tie(x, residual) = decoder_layer(x, residual, std::move(w), key_caches[i], value_caches[i], meta, cos, sin,
+                                          heads, kv_heads, eps, scale, widen_rows, wide, bf16_dot, amx);
+  }
+  return {x, *residual};
 }
 
 }  // namespace qwen_npu_cpu

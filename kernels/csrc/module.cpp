@@ -1,6 +1,6 @@
 // The cpu kernel extension's tensor-facing side: argument checks, dtype dispatch, write_kv and
 // the Python bindings. The kernels themselves (linear.cpp, attention.cpp) see raw pointers; the
-// products' tensor side is in products.cpp, the one-call decoder layer in layer.cpp.
+// products' tensor side is in products.cpp, the one-call decoder layers in layer.cpp.
 #include <torch/extension.h>
 #include "ops.h"
 #include "products.h"
@@ -229,9 +229,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"), py::arg("wide") = false);
   m.def("silu_mul", &qwen_npu_cpu::silu_mul, "silu(gate) * up from the fused gate/up output",
         py::arg("gate_up"), py::arg("wide") = false);
-  m.def("decoder_layer", &qwen_npu_cpu::decoder_layer,
-        "one decoder layer on panel weights in one call: the forward's separate calls, in order, the same bits",
-        py::arg("x"), py::arg("residual"), py::arg("weights"), py::arg("key_cache"), py::arg("value_cache"),
-        py::arg("meta"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("kv_heads"), py::arg("eps"),
-        py::arg("scale"), py::arg("widen_rows"), py::arg("wide"), py::arg("bf16_dot"), py::arg("amx"));
+  m.def("decoder_layers", &qwen_npu_cpu::decoder_layers,
+        "every decoder layer on panel weights in one call: the forward's separate calls, in order, the same bits",
+        py::arg("x"), py::arg("weights"), py::arg("key_caches"), py::arg("value_caches"), py::arg("meta"),
+        py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("kv_heads"), py::arg("eps"), py::arg("scale"),
+        py::arg("widen_rows"), py::arg("wide"), py::arg("bf16_dot"), py::arg("amx"));
 }

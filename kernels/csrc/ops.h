@@ -1,5 +1,5 @@
 // The tensor-facing functions of module.cpp (attention, the norms, qk_norm_rope, silu_mul, write_kv), bound
-// to Python there and reused by the one-call decoder layer (layer.cpp). Each checks its arguments
+// to Python there and reused by the one-call decoder layers (layer.cpp). Each checks its arguments
 // and says what disagrees.
 #pragma once
 #include <torch/extension.h>
@@ -22,11 +22,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up, bool wide);
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
               torch::Tensor slot_mapping);
 
-// One decoder layer in one call (layer.cpp).
-std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
-    torch::Tensor x, std::optional<torch::Tensor> residual, std::vector<torch::Tensor> weights,
-    torch::Tensor key_cache, torch::Tensor value_cache, std::vector<torch::Tensor> meta, torch::Tensor cos,
-    torch::Tensor sin, int64_t heads, int64_t kv_heads, double eps, double scale, int64_t widen_rows, bool wide,
-    bool bf16_dot, bool amx);
+// Every decoder layer in one call (layer.cpp).
+std::tuple<torch::Tensor, torch::Tensor> decoder_layers(
+    torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> key_caches,
+    std::vector<torch::Tensor> value_caches, std::vector<torch::Tensor> meta, torch::Tensor cos, torch::Tensor sin,
+    int64_t heads, int64_t kv_heads, double eps, double scale, int64_t widen_rows, bool wide, bool bf16_dot, bool amx);
 
 }  // namespace qwen_npu_cpu

@@ -15,9 +15,9 @@ loader placed them back to back, as it does on the CPU; a copy otherwise). The L
 only for the token rows that need a next token. A kernel set may bring fused ``qk_norm_rope``
 (q_norm, k_norm and RoPE in one call; used only when no hook is set, so hooks see the pre-RoPE
 tensors), ``silu_mul`` and ``gate_up_silu`` (the gate|up product and silu_mul in one pass; no
-hook point lies between them), and ``decoder_layer`` (a whole layer's calls in one, the same bits;
-used only without a hook and tensor parallelism, and where it declines a layer the model makes
-the calls one by one); without them the model makes the separate calls.
+hook point lies between them), and ``decoder_layers`` (every layer's calls in one, the same bits;
+used only without a hook and tensor parallelism, and where it declines the model makes the calls
+one by one); without them the model makes the separate calls.
 
 Each hook point (``hooks.py``) is one call on the forward's tap (below) that returns the tensor to go on
 with, ``x = tap(name, x)``; without a hook the tap hands every tensor back unchanged.
@@ -136,8 +136,8 @@ class Qwen3Model:
         qk_norm_rope = getattr(k_, "qk_norm_rope", None) if hook is None else None   # hooks see pre-RoPE q/k
         silu_mul = getattr(k_, "silu_mul", _silu_mul)
         gate_up_silu = getattr(k_, "gate_up_silu", None)   # silu_mul(linear(h, gate_up)) in one pass, or None
-        # a layer's calls below made in one, where the set can and nothing must see inside the layer
-        decoder_layer = getattr(k_, "decoder_layer", None) if hook is None and self.all_reduce is None else None
+        # every layer's calls below made in one, where the set can and nothing must see inside a layer
+        decoder_layers = getattr(k_, "decoder_layers", None) if hook is None and self.all_reduce is None else None
         c = self.config
         t = input_ids.shape[0]
         eps = c.rms_norm_eps
@@ -146,15 +146,12 @@ class Qwen3Model:
         x = tap("embed", F.embedding(input_ids, self.embed))              # [tokens, hidden]
         cos, sin = self.cos[meta.positions], self.sin[meta.positions]     # [tokens, head_dim]
         residual = None
-        for i, layer in enumerate(self.layers):
-            if decoder_layer is not None:
-                key_cache, value_cache = kv_caches[i]
-                out = decoder_layer(x, residual, layer, key_cache=key_cache, value_cache=value_cache, meta=meta,
-                                    cos=cos, sin=sin, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
-                                    eps=eps, scale=self.scale)
-                if out is not None:                    # made: the same bits as the calls below
-                    x, residual = out
-                    continue
+        made = None if decoder_layers is None else decoder_layers(
+            x, self.layers, kv_caches, meta=meta, cos=cos, sin=sin, heads=c.num_attention_heads,
+            kv_heads=c.num_key_value_heads, eps=eps, scale=self.scale)
+        if made is not None:                           # made: the same bits as the calls below
+            x, residual = made
+        for i, layer in enumerate(self.layers if made is None else ()):
             p = self.points[i]
             if residual is None:
                 residual, h = x, k_.rms_norm(x, layer.input_norm, eps)

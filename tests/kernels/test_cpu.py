@@ -400,10 +400,10 @@ def test_bf16_model_logits_match_the_reference_set(bf16_ckpt):
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
 def test_an_interrupt_inside_a_cpu_product_leaves_the_session_as_it_was(bf16_ckpt, monkeypatch, exc):
     """Ctrl-C (or a failure) in the middle of a step's products, on whichever path the machine
-    takes (native bf16 dot products, torch's product, the widening kernel, a layer's calls made in
-    one): nothing of the step stays, statistics included, and the same session then finishes with
-    the uninterrupted tokens. A layer made in one call is interrupted as it returns (Ctrl-C cannot
-    land inside C++), with its K/V written."""
+    takes (native bf16 dot products, torch's product, the widening kernel, the layers' calls made
+    in one): nothing of the step stays, statistics included, and the same session then finishes
+    with the uninterrupted tokens. Layers made in one call are interrupted as it returns (Ctrl-C
+    cannot land inside C++), with their K/V written."""
     prompts = [list(range(3, 30)), [7] * 9]
     want = Session.from_pretrained(bf16_ckpt, kernels="cpu", max_batch=4, chunk_size=16, max_model_len=128)
     want_ids = [list(o.token_ids) for o in want.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True),
@@ -411,8 +411,8 @@ def test_an_interrupt_inside_a_cpu_product_leaves_the_session_as_it_was(bf16_ckp
     sess = Session.from_pretrained(bf16_ckpt, kernels="cpu", max_batch=4, chunk_size=16, max_model_len=128)
     reqs = [sess.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True)) for p in prompts]
     real = {name: getattr(cpu, name) for name in ("linear", "gate_up_silu")}   # every product of a step
-    real_layer = cpu.decoder_layer
-    for fail_at in (2, 7):                        # early in a prefill; inside a later step's forward
+    real_layers = cpu.decoder_layers
+    for fail_at in (2, 3):                        # early in a prefill; inside a later step's forward
         sess.step()
         calls = []
 
@@ -424,16 +424,16 @@ def test_an_interrupt_inside_a_cpu_product_leaves_the_session_as_it_was(bf16_ckp
                 return fn(x, w)
             return call
 
-        def failing_layer(*args, **kwargs):
-            out = real_layer(*args, **kwargs)
-            if out is not None:                   # a layer made in one call: its products count here
+        def failing_layers(*args, **kwargs):
+            out = real_layers(*args, **kwargs)
+            if out is not None:                   # the layers made in one call: their products count here
                 calls.append(1)
                 if len(calls) == fail_at:
-                    raise exc("interrupted as a layer's one call returned")
+                    raise exc("interrupted as the layers' one call returned")
             return out
         for name, fn in real.items():
             monkeypatch.setattr(cpu, name, failing(fn))
-        monkeypatch.setattr(cpu, "decoder_layer", failing_layer)
+        monkeypatch.setattr(cpu, "decoder_layers", failing_layers)
         while True:                               # steps commit until the one that fails inside
             before = sess.state_digest()
             try:
@@ -442,7 +442,7 @@ def test_an_interrupt_inside_a_cpu_product_leaves_the_session_as_it_was(bf16_ckp
                 break
         for name, fn in real.items():
             monkeypatch.setattr(cpu, name, fn)
-        monkeypatch.setattr(cpu, "decoder_layer", real_layer)
+        monkeypatch.setattr(cpu, "decoder_layers", real_layers)
         assert len(calls) == fail_at
         assert sess.state_digest() == before, before.diff(sess.state_digest())
         assert sess.check().ok

@@ -117,7 +117,7 @@ def test_the_model_fuses_without_hooks_and_keeps_hook_points_exact(bf16_ckpt, mo
     gate_up_silu where the set fuses it with the product); with one it takes the separate calls for
     q and k, so a hook sees q and k before RoPE and its edits take effect."""
     calls = {"qk_norm_rope": 0, "silu_mul": 0}
-    monkeypatch.setattr(cpu, "decoder_layer", None)       # the layer's separate calls are what is counted
+    monkeypatch.setattr(cpu, "decoder_layers", None)      # the layers' separate calls are what is counted
     for name, part in (("qk_norm_rope", "qk_norm_rope"), ("silu_mul", "silu_mul"), ("gate_up_silu", "silu_mul")):
         def counted(*args, _fn=getattr(cpu, name), _part=part):
             out = _fn(*args)

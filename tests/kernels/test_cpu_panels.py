@@ -221,7 +221,7 @@ def test_a_session_on_panels_fuses_the_gate_up_product_with_the_same_logits(ckpt
         return torch.cat(logits)
 
     real, used = cpu.gate_up_silu, []
-    monkeypatch.setattr(cpu, "decoder_layer", None)       # the layer's separate calls are what is compared
+    monkeypatch.setattr(cpu, "decoder_layers", None)      # the layers' separate calls are what is compared
 
     def counted(x, weight):
         out = real(x, weight)
