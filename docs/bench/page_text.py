@@ -164,11 +164,11 @@ comparison below interleaves its variants and divides each by the peak measured 
   right after one layer's gate|up product (12.6 MB streamed) and 70-100 us after all 28; making
   the products' prefetch non-temporal cut the last only to 71 us. So the cpu set made a layer's
   calls for fewer than 96 rows in one call from Python (`csrc/layer.cpp`, the same bits; now all
-  the layers' in one, below): in one
-  process with it switched on and off between rounds, a 28-layer model with tiny matrices took 3.5
-  instead of 4.4 ms a batch-1 step (9 of 10 rounds faster) and 7.6 instead of 8.0 ms at batch 16;
-  the 0.6B shape 45.3 / 46.0 and 51.4 / 52.7 ms at batch 1 (7 and 8 of 12 rounds faster; the rounds
-  moved by 10%), at batch 16 within the noise (160-225 ms).
+  the layers' in one, below): in one process with it switched on and off between rounds, a
+  28-layer model with tiny matrices took 3.5 instead of 4.4 ms a batch-1 step (9 of 10 rounds
+  faster) and 7.6 instead of 8.0 ms at batch 16; the 0.6B shape 45.3 / 46.0 and 51.4 / 52.7 ms
+  at batch 1 (7 and 8 of 12 rounds faster; the rounds moved by 10%), at batch 16 within the
+  noise (160-225 ms).
 - A batch-1 step of the 0.6B timed call by call (context 128-250, three rounds of 20 steps, 51-53
   ms a step): q|k|v, o and down 20.3-21.3 ms (25-26 GB/s), gate|up 12.5-13.6 (26-28 GB/s), the
   LM head 10.4-11.3 (28-30 GB/s), attention 2.2-3.9, norms and RoPE 1.4-1.8, write_kv 0.2, and
