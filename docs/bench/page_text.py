@@ -192,7 +192,7 @@ comparison below interleaves its variants and divides each by the peak measured 
   from memory and 81-84% from the L3, two threads at 80% against one thread's 84% (binding the
   threads to cores, or making them spin, no better); whole batch-16 steps at context 128 took
   122.8-138.4 ms, 68-76% of the limit measured beside each, against 51-53% in the benchmark run
-  of 2026-12-07 11:55 (50% and 66% in the one above, at 18:10). Most likely what held the products back was other tenants' use of the memory the two
+  of 2026-12-07 11:55 (50% and 66% in a run at 18:10; 73% and 75% in the one above, at 22:34). Most likely what held the products back was other tenants' use of the memory the two
   cores share (this host shows no counters to say so).
 - Decode attention of one token over n positions held in the caches, one thread, the 0.6B shape
   (16 query heads over 8 KV heads of 128), the parts timed by leaving the others out: the scores
@@ -207,7 +207,7 @@ comparison below interleaves its variants and divides each by the peak measured 
   33.5-36.7 ms, 1.20-1.34x the floor (three rounds of four within 1.25x) while memory read at
   38-44 GB/s; 44.5-50.0 ms, 1.36-1.50x, half an hour later (29-39 GB/s); in the benchmark run
   of 2026-12-07 11:55, whose read figures spread over 30-45 GB/s, 1.51x and 2.42x (1.54x and
-  1.47x in the one above, at 18:10, at 32-38 GB/s).
+  1.47x in a run at 18:10, at 32-38 GB/s; 1.15x and 1.18x in the one above, at 22:34, at 33-44 GB/s).
 - The host's work in a decode step counted as Python bytecodes (`sys.settrace` with opcode
   events, 20 steps of 16 rows at context 128 on a random two-layer model with hidden size 64 and
   the 0.6B's vocabulary), a count that does not move with the other tenants: 37.4 thousand a step
