@@ -273,6 +273,25 @@ comparison below interleaves its variants and divides each by the peak measured 
   217.2 ms. Rows that share a prefix already find it in L2 and L3 after the first, so reading it
   once more is not what bounds them: the multiply-adds run at 40-50% of one core's peak either
   way, and the same tiles alone in L1 reach 55-70%.
+- 2026-12-08, batch-16 products, the layer's four at 16 rows, builds interleaved round by round (10
+  rounds, medians, share of the FMA peak measured in each round): over the 28 layers' distinct
+  weights 0.835 and 0.863 (two runs), with one layer's weights, which stay in cache, 0.833 and
+  0.827. Streaming the weights from memory costs them nothing measurable: the register tile bounds
+  them. Two forms with the same bits were tried and not kept. Prefetching the next block of k during
+  the passes that read the block from L1: 0.843 against 0.835. Widening each block once into an fp32
+  copy for the later passes: 0.836 against 0.863 in the quiet rounds (slower).
+- 2026-12-08, the host's part of a batch-16 decode step (context 128), the same Python on two
+  models: 0.45-0.55 ms on the two-layer model, 0.75-0.85 ms on the 0.6B. The 0.6B's forward streams
+  1.2 GB through the caches, so the host's work after it runs on cold code and data. The first torch
+  call of a step (a view of a dispatch buffer) took 46-58 us on the 0.6B, against 16-18 us on the
+  small model and 2-3 us for each view after it. Prefetching the panels with the non-temporal hint
+  instead of T0 left the host at 0.73-0.80 ms against 0.73-0.78 (three pairs of processes); not
+  kept. Python's collector ran a generation-0 collection every 5.4 steps (37 in 199 steps) and a
+  generation-1 one every 50. With the changes of the changelog's "Fewer operations on the host in a
+  decode step", 30.7 thousand bytecodes a step become 29.5 thousand. Alternating processes in a
+  quiet hour, medians of three rounds of 40 steps: 0.76-0.77 ms against 0.80-0.85 on the 0.6B,
+  0.46-0.53 against 0.51-0.57 on the small model. Four pairs an hour later, on a busier host (steps
+  140-190 ms), differed by less than their noise.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 

@@ -183,7 +183,7 @@ def check_slot_mapping(slot_mapping, block_tables, block_size: int, *, positions
     active = num_rows if active_rows is None else int(active_rows)
     if not 0 <= active <= num_rows:
         raise ValueError(f"active_rows={active_rows} not in 0..{num_rows}")
-    items = _find("", slots, tok_rows, pos, tables, active, block_size, num_blocks)
+    items = _find(lambda: "", slots, tok_rows, pos, tables, active, block_size, num_blocks)
     return SlotReport(tuple(items), n, num_rows, active)
 
 
@@ -196,15 +196,17 @@ def check_step_writes(writes: StepWrites, *, block_size: int, num_blocks: int | 
     `is_live(request_id, position, slot)` (does that token still hold that slot?), overwriting a live token
     of another request is a problem; the ledger alone only adds "last written by" to messages.
     """
-    w, n = writes, writes.num_dispatched
+    w = writes
     slots, pos, tok_rows = w.token_writes()
-    kind = w.kind
-    if w.kind == "mixed":
-        d = w.row_kinds[:w.num_active].count("decode")
-        kind = f"mixed: {d} decode, {w.num_active - d} prefill"
-    elif w.kind == "verify":
-        kind = f"verify: {sum(getattr(w, 'row_drafts', ()))} drafts"
-    header = f"step {w.step} ({kind}, {n} row{'s' * (n != 1)} dispatched, {w.num_active} active): "
+
+    def header() -> str:                      # made only when a problem is found
+        kind, n = w.kind, w.num_dispatched
+        if w.kind == "mixed":
+            d = w.row_kinds[:w.num_active].count("decode")
+            kind = f"mixed: {d} decode, {w.num_active - d} prefill"
+        elif w.kind == "verify":
+            kind = f"verify: {sum(getattr(w, 'row_drafts', ()))} drafts"
+        return f"step {w.step} ({kind}, {n} row{'s' * (n != 1)} dispatched, {w.num_active} active): "
     return _find(header, slots, tok_rows, pos, w.row_block_tables, w.num_active, block_size, num_blocks,
                  w.row_request_ids, ref_count, ledger, is_live,
                  row_kinds=w.row_kinds if w.kind == "mixed" else None)
@@ -233,7 +235,8 @@ def raise_or_warn(problems: Sequence[SlotProblem], mode: str) -> None:
 
 def _find(header, slots, tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req=None,
           ref_count=None, ledger=None, is_live=None, row_kinds=None) -> list[SlotProblem]:
-    """Walk the tokens once; collect token indices per (check, slot); describe only what was flagged."""
+    """Walk the tokens once; collect token indices per (check, slot); describe only what was flagged.
+    ``header()`` gives the text that starts every problem's message (called only when one is found)."""
     hits: dict[tuple[str, int], list[int]] = {}
     seen: dict[int, int] = {}
     limit = None if num_blocks is None else num_blocks * bs
@@ -281,7 +284,7 @@ def _find(header, slots, tok_rows, tok_pos, tables, num_active, bs, num_blocks, 
         return []
     order = {c: k for k, c in enumerate(CHECKS)}
     keys = sorted(hits, key=lambda k: (order[k[0]], hits[k][0]))
-    ctx = (header, tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req, refs, ledger, row_kinds)
+    ctx = (header(), tok_rows, tok_pos, tables, num_active, bs, num_blocks, row_req, refs, ledger, row_kinds)
     return [_describe(check, s, hits[(check, s)], ctx) for check, s in keys]
 
 

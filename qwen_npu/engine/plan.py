@@ -169,9 +169,12 @@ def build_plan(kind: str, index: int, rows: list[tuple[Request, int]], tables: d
         row = PlanRow(req, start, end, needs_logits=end - len(drafts) == req.num_tokens,
                       kind="decode" if decoding else "prefill", drafts=drafts)
         plan_rows.append(row)
-        tokens = req.token_ids
-        ids += [tokens[start], *drafts] if n == 1 or drafts else tokens[start:end]
-        pos += range(start, end)
+        if n == 1:                                        # a decode row: its last token
+            ids.append(req.token(start))
+            pos.append(start)
+        else:
+            ids += [req.token(start), *drafts] if drafts else req.token_ids[start:end]
+            pos += range(start, end)
         slots += slot_mapping(table, start, end, block_size)
         if row.needs_logits:
             first = len(ids) - 1 - len(drafts)           # a verification row has logits at every token

@@ -243,17 +243,21 @@ class DispatchBuffers:
         ints of one width (the rest of those rows is set to -1). On the CPU they are written in
         place (through a NumPy view of the buffer: no tensor is made for them); on an accelerator
         through its pinned buffer, without blocking. Returns the bytes moved h2d."""
-        buf, rows = self.tensors[name], len(values)
+        rows, buf = len(values), self.tensors[name]
         width = len(values[0]) if buf.dim() == 2 and values else None
-        part = (slice(0, rows),) if width is None else (slice(0, rows), slice(0, width))
         staging = self.pinned.get("prefill" if name.startswith("prefill.") else "decode")
-        target = self._host_views[name] if staging is None else buf
-        if staging is None:
-            target[part] = values
+        if staging is None:                                  # the CPU
+            host = self._host_views[name]
+            if width is None:
+                host[:rows] = values
+            else:
+                host[:rows, :width] = values
+                host[:rows, width:] = -1
         else:
+            part = (slice(0, rows),) if width is None else (slice(0, rows), slice(0, width))
             staging.copy_into(buf[part], values, name)
-        if width is not None and width < buf.shape[1]:
-            target[:rows, width:] = -1
+            if width is not None and width < buf.shape[1]:
+                buf[:rows, width:] = -1
         return rows * (1 if width is None else width) * buf.element_size()
 
     def view(self, name: str, n: int) -> torch.Tensor:

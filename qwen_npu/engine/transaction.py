@@ -156,6 +156,11 @@ class RequestDraft:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.request.output_token_ids) + len(self._new_tokens)
 
+    def token(self, i: int) -> int:
+        """Token ``i`` of ``token_ids`` (0 <= i < num_tokens), read without making a view."""
+        prompt = self.prompt_token_ids
+        return prompt[i] if i < len(prompt) else self.output_token_ids[i - len(prompt)]
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.request.output_token_ids) + len(self._new_tokens)
@@ -209,11 +214,15 @@ class StepDraft:
 
     def all(self, reqs) -> list[RequestDraft]:
         """Drafts of the requests that are not done (a finished or aborted request never changes)."""
-        out = []
+        out, drafts = [], self.drafts
         for r in reqs:
-            seen = r if isinstance(r, RequestDraft) else self.drafts.get(r.id, r)
-            if seen.status not in DONE:
-                out.append(self.of(r))
+            d = r if isinstance(r, RequestDraft) else drafts.get(r.id)
+            if d is None:
+                if r.status in DONE:
+                    continue
+                d = drafts[r.id] = RequestDraft(r)
+            if d.status not in DONE:
+                out.append(d)
         return out
 
     def generator(self, rid: int, live: dict[int, torch.Generator]) -> torch.Generator | None:

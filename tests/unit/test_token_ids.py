@@ -31,3 +31,14 @@ def test_a_draft_gives_the_view_of_its_own_lists():
     assert list(d.token_ids) == d.all_token_ids == [1, 2, 3, 8, 9]
     assert d.token_ids[2:5] == [3, 8, 9] and d.token_ids[4] == 9
     assert d.num_output_tokens == 2 and d.num_tokens == 5 and len(req.output_token_ids) == 1
+
+
+def test_a_drafts_token_reads_the_prompt_the_output_and_what_the_step_staged():
+    req = Request(3, [1, 2, 3], SamplingParams(max_new_tokens=4), frozenset(), block_table=lambda rid: [])
+    req.output_token_ids += [8, 7]
+    d = RequestDraft(req)
+    assert [d.token(i) for i in range(d.num_tokens)] == [1, 2, 3, 8, 7]
+    d.append_token(9)
+    assert [d.token(i) for i in range(d.num_tokens)] == list(d.token_ids) == [1, 2, 3, 8, 7, 9]
+    with pytest.raises(IndexError):
+        d.token(d.num_tokens)
