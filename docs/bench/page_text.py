@@ -290,10 +290,11 @@ comparison below interleaves its variants and divides each by the peak measured 
   instead of T0 left the host at 0.73-0.80 ms against 0.73-0.78 (three pairs of processes); not
   kept. Python's collector ran a generation-0 collection every 5.4 steps (37 in 199 steps) and a
   generation-1 one every 50. With the changes of the changelog's "Fewer operations on the host in a
-  decode step", 30.7 thousand bytecodes a step become 29.5 thousand. Alternating processes in a
-  quiet hour, medians of three rounds of 40 steps: 0.76-0.77 ms against 0.80-0.85 on the 0.6B,
-  0.46-0.53 against 0.51-0.57 on the small model. Four pairs an hour later, on a busier host (steps
-  140-190 ms), differed by less than their noise.
+  decode step", 30.7 thousand bytecodes a step become 29.9 thousand (29.5 thousand in the form timed
+  here, which built a missing request draft in place instead of through `StepDraft.of`). Alternating
+  processes in a quiet hour, medians of three rounds of 40 steps: 0.76-0.77 ms against 0.80-0.85 on
+  the 0.6B, 0.46-0.53 against 0.51-0.57 on the small model. Four pairs an hour later, on a busier
+  host (steps 140-190 ms), differed by less than their noise.
 
 Measured on a 2-core Intel Xeon with AMX tiles (and AVX512-BF16), 2026-12-02, 0.6B shapes:
 

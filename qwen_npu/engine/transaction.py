@@ -220,7 +220,7 @@ class StepDraft:
             if d is None:
                 if r.status in DONE:
                     continue
-                d = drafts[r.id] = RequestDraft(r)
+                d = self.of(r)
             if d.status not in DONE:
                 out.append(d)
         return out
